@@ -1,0 +1,158 @@
+"""Batch-invariant GEMM (Triton): W4A4 NVFP4 x NVFP4, and plain bf16/fp16/fp32, out = x @ w.T.
+
+W4A4 on Hopper, which has no FP4 tensor cores (and where `tl.dot_scaled` with E4M3 scales does not
+compile): each program loads packed FP4 bytes of x and w, decodes nibbles and E4M3 block scales in
+registers, and forms code * block_scale, which is exact in fp16 (at most 6 significant bits, range
+2^-10 .. 2688). `tl.dot` then multiplies fp16 tiles with fp32 accumulation; the global scales enter
+in the epilogue, (acc * gs_x[m]) * gs_w[n], as in the torch backend. The decode step is the only
+Hopper-specific part: a Blackwell path would hand the same packed bytes and scales (swizzled with
+`nvfp4.to_blocked`) to a native block-scaled MMA instead.
+
+Batch invariance is structural: one tile configuration per (N, K) (`gemm_config`), no split-K, no
+autotuning; each output tile reduces over K in BLOCK_K steps in one fixed order, so row m's bits
+depend only on row m of x and on w, never on M or on the other rows. Out-of-range rows and columns are
+masked to zero and never mix into valid rows.
+
+Under TRITON_INTERPRET=1 (CPU tests) tiles are smaller, and the plain (non-FP4) path multiplies tiles
+with an elementwise product and `tl.sum` instead of `tl.dot`: the interpreter's bf16 dot is wrong, and
+its fp32 dot calls BLAS, whose result for a row depends on the row's position in the tile. (The FP4
+path's fp16 dot runs numpy's own loop, which is position-invariant, so it is tested as on the GPU.)
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..nvfp4 import BLOCK, NVFP4Tensor
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def decode_nvfp4_tile(packed, scale_bytes, ROWS: tl.constexpr, BK: tl.constexpr):
+    """Packed bytes [ROWS, BK/2] and E4M3 scale bytes [ROWS, BK/16] -> fp32 code * block_scale [ROWS, BK]."""
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [ROWS, BK]).to(tl.int32)
+    mag = codes & 7
+    e = mag >> 1
+    m = mag & 1
+    twice = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0))  # 2 * |value|: 0, 1, 2, 3, 4, 6, 8, 12
+    val = twice.to(tl.float32) * 0.5
+    val = tl.where((codes & 8) != 0, -val, val)
+    sb = scale_bytes.to(tl.int32)
+    se = sb >> 3
+    sm = sb & 7
+    pow2 = ((tl.maximum(se, 1) - 10 + 127) << 23).to(tl.float32, bitcast=True)
+    scale = tl.where(se == 0, sm, 8 + sm).to(tl.float32) * pow2
+    val = tl.reshape(val, [ROWS, BK // 16, 16]) * scale[:, :, None]
+    return tl.reshape(val, [ROWS, BK])
+
+
+@triton.jit
+def _gemm_kernel(
+    a_ptr, as_ptr, ags_ptr, b_ptr, bs_ptr, bgs_ptr, bias_ptr, c_ptr,
+    M, N, K,
+    stride_am, stride_asm, stride_ags, stride_bn, stride_bsn, stride_bgs, stride_cm,
+    FP4: tl.constexpr, DOT_FP32: tl.constexpr, DOT_BY_SUM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * grid_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * grid_n)) % size_m
+    pid_n = (pid % (GROUP_M * grid_n)) // size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if FP4:
+            kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+            kp_ok = kp < K // 2
+            ks_ok = ks < K // 16
+            a = tl.load(a_ptr + offs_m[:, None] * stride_am + kp[None, :], mask=mask_m[:, None] & kp_ok[None, :], other=0)
+            sa = tl.load(as_ptr + offs_m[:, None] * stride_asm + ks[None, :], mask=mask_m[:, None] & ks_ok[None, :], other=0)
+            b = tl.load(b_ptr + offs_n[:, None] * stride_bn + kp[None, :], mask=mask_n[:, None] & kp_ok[None, :], other=0)
+            sb = tl.load(bs_ptr + offs_n[:, None] * stride_bsn + ks[None, :], mask=mask_n[:, None] & ks_ok[None, :], other=0)
+            av = decode_nvfp4_tile(a, sa, BLOCK_M, BLOCK_K).to(tl.float16)
+            bv = decode_nvfp4_tile(b, sb, BLOCK_N, BLOCK_K).to(tl.float16)
+            acc = tl.dot(av, tl.trans(bv), acc)
+        else:
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < K
+            a = tl.load(a_ptr + offs_m[:, None] * stride_am + kk[None, :], mask=mask_m[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptr + offs_n[:, None] * stride_bn + kk[None, :], mask=mask_n[:, None] & k_ok[None, :], other=0.0)
+            if DOT_BY_SUM:
+                # interpreter only: numpy's fp32 matmul (BLAS) is not row-position invariant
+                acc += tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], axis=2)
+            elif DOT_FP32:
+                acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+    if FP4:
+        gsa = tl.load(ags_ptr + offs_m * stride_ags, mask=mask_m, other=1.0)
+        gsb = tl.load(bgs_ptr + offs_n * stride_bgs, mask=mask_n, other=1.0)
+        acc = (acc * gsa[:, None]) * gsb[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    c = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+# When True, small M uses narrower M tiles. Only allowed where a GPU run has shown that the narrow and
+# wide tiles give identical bits (bench/gemm.py checks it); see docs/benchmarks.md.
+SMALL_M_TILES = False
+
+
+def gemm_config(m: int, n: int, k: int, fp4: bool) -> dict:
+    """The one tile configuration for (N, K): BLOCK_K and the reduction order never depend on M."""
+    if interpreting():
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64 if fp4 else 32, GROUP_M=4, num_warps=4, num_stages=1)
+    if fp4:
+        cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
+        if SMALL_M_TILES and m <= 16:
+            cfg.update(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)
+        return cfg
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+def _flat_gs(t: NVFP4Tensor):
+    gs = t.global_scale.reshape(-1)
+    return gs, (0 if t.global_scale.dim() == 0 else 1)
+
+
+def gemm_triton(x, w, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """x [M, K] @ w [N, K].T (+ bias): both NVFP4Tensor, or both plain tensors of one float dtype."""
+    fp4 = isinstance(w, NVFP4Tensor)
+    m, k = x.shape
+    n = w.shape[0]
+    c = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    if m == 0 or n == 0:
+        return c
+    cfg = gemm_config(m, n, k, fp4)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    if fp4:
+        ags, s_ags = _flat_gs(x)
+        bgs, s_bgs = _flat_gs(w)
+        args = (x.data, x.scale.view(torch.uint8), ags, w.data, w.scale.view(torch.uint8), bgs)
+        strides = (x.data.stride(0), x.scale.stride(0), s_ags, w.data.stride(0), w.scale.stride(0), s_bgs)
+        dot_fp32 = False
+    else:
+        args = (x, x, x, w, w, w)
+        strides = (x.stride(0), 0, 0, w.stride(0), 0, 0)
+        dot_fp32 = x.dtype == torch.float32
+    _gemm_kernel[grid](
+        *args, bias if bias is not None else c, c, m, n, k, *strides, c.stride(0),
+        FP4=fp4, DOT_FP32=dot_fp32, DOT_BY_SUM=interpreting() and not fp4, HAS_BIAS=bias is not None, **cfg,
+    )
+    return c

@@ -1,0 +1,120 @@
+"""Fused NVFP4 activation quantize (Triton): fp32/bf16/fp16 rows -> packed E2M1 + E4M3 scales + global scale.
+
+One program takes BLOCK_R rows. In row mode it first reduces each row's amax (a row-local max, so the
+result cannot depend on the batch) and writes the row's global scale amax / 2688; then it walks K in
+BLOCK_K chunks and, per 16-element block, computes the block scale and the codes exactly as
+`minite_core.nvfp4.quantize` does: every division is IEEE round-to-nearest (`tl.div_rn`; a plain `/`
+may lower to an approximate division on the GPU), the E4M3 rounding of the block scale is done on the
+fp32 bits (no reliance on the target's fp8 conversion), and E2M1 rounding counts thresholds with ties
+to even. The output is bit-identical to the torch backend, which tests check on CPU (interpreter)
+and GPU.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import nvfp4
+from ..nvfp4 import BLOCK, NVFP4Tensor
+
+_E2M1_MAX = tl.constexpr(nvfp4.E2M1_MAX)
+_E4M3_MAX = tl.constexpr(nvfp4.E4M3_MAX)
+_E4M3_MIN = tl.constexpr(nvfp4.E4M3_MIN_NORMAL)
+_GS_DIV = tl.constexpr(nvfp4.E2M1_MAX * nvfp4.E4M3_MAX)
+_GS_MIN = tl.constexpr(nvfp4.GS_MIN)
+
+
+@triton.jit
+def e4m3_round_bits(v):
+    """RNE of fp32 v in [2^-6, 448] to E4M3: (uint8 code, the rounded value in fp32)."""
+    bits = v.to(tl.int32, bitcast=True)
+    r = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # keep 3 mantissa bits, ties to even
+    code = (((r >> 23) & 0xFF) - 120) << 3 | ((r >> 20) & 7)
+    return code.to(tl.uint8), r.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_round(v):
+    """RNE of fp32 v in [-6, 6] to E2M1 codes 0..15 (bit 3 = sign), as `nvfp4.round_e2m1`."""
+    a = tl.abs(v)
+    code = (
+        (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+        + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+        + (a > 5.0).to(tl.int32)
+    )
+    sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
+    return (code | (sign << 3)).to(tl.uint8)
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, data_ptr, scale_ptr, gs_ptr,
+    R, K, stride_x, stride_data, stride_scale, stride_gs,
+    ROW_GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    NB: tl.constexpr = BLOCK_K // 16
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    if ROW_GS:
+        amax = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :],
+                        mask=rmask[:, None] & (cols < K)[None, :], other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        gs = tl.maximum(tl.div_rn(amax, _GS_DIV), _GS_MIN)
+        tl.store(gs_ptr + rows * stride_gs, gs, mask=rmask)
+    else:
+        gs = tl.load(gs_ptr + rows * stride_gs, mask=rmask, other=1.0)
+    inv_gs = tl.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), gs)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :],
+                    mask=rmask[:, None] & (cols < K)[None, :], other=0.0).to(tl.float32)
+        xb = tl.reshape(x, [BLOCK_R, NB, 16])
+        bamax = tl.max(tl.abs(xb), axis=2)
+        s = tl.div_rn(tl.div_rn(bamax, _E2M1_MAX), gs[:, None])
+        s = tl.minimum(tl.maximum(s, _E4M3_MIN), _E4M3_MAX)
+        s_code, s32 = e4m3_round_bits(s)
+        recip = tl.div_rn(inv_gs[:, None] + tl.zeros_like(s32), s32)
+        v = xb * recip[:, :, None]
+        v = tl.minimum(tl.maximum(v, -_E2M1_MAX), _E2M1_MAX)
+        codes = tl.reshape(e2m1_round(v), [BLOCK_R, BLOCK_K // 2, 2])
+        lo, hi = tl.split(codes)
+        packed = lo | (hi << 4)
+        pcols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        tl.store(data_ptr + rows[:, None] * stride_data + pcols[None, :], packed,
+                 mask=rmask[:, None] & (pcols < K // 2)[None, :])
+        scols = k0 // 16 + tl.arange(0, NB)
+        tl.store(scale_ptr + rows[:, None] * stride_scale + scols[None, :], s_code,
+                 mask=rmask[:, None] & (scols < K // 16)[None, :])
+
+
+def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None) -> NVFP4Tensor:
+    """Quantize x [..., K] with per-row global scales (global_scale None) or a given scalar/[.., 1] one."""
+    shape = x.shape
+    k = shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        raise ValueError("x must have a contiguous last dimension for the Triton quantize kernel")
+    r = x2.shape[0]
+    data = torch.empty(r, k // 2, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(r, k // BLOCK, dtype=torch.uint8, device=x.device)
+    if global_scale is None:
+        gs = torch.empty(r, dtype=torch.float32, device=x.device)
+        stride_gs = 1
+    else:
+        gs = global_scale.reshape(-1).contiguous()
+        stride_gs = 0 if gs.numel() == 1 else 1
+    block_r = 16 if k <= 2048 else 4
+    block_k = min(256, triton.next_power_of_2(k))
+    if r:
+        _quantize_kernel[(triton.cdiv(r, block_r),)](
+            x2, data, scale, gs, r, k, x2.stride(0), data.stride(0), scale.stride(0), stride_gs,
+            ROW_GS=global_scale is None, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4,
+        )
+    lead = tuple(shape[:-1])
+    out_gs = gs.reshape(lead + (1,)) if global_scale is None else global_scale
+    return NVFP4Tensor(data.reshape(lead + (k // 2,)), scale.view(torch.float8_e4m3fn).reshape(lead + (k // BLOCK,)),
+                       out_gs, shape)

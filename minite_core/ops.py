@@ -1,0 +1,160 @@
+"""The op surface that both engines call; it picks the backend and checks the operands.
+
+Two backends compute the same functions:
+- "torch": plain PyTorch (`minite_core.nvfp4`, `minite_core.reference`), on CPU or GPU. It is the
+  reference and the CI backend.
+- "triton": the kernels in `minite_core.kernels`, on the GPU, or on the CPU under TRITON_INTERPRET=1.
+
+Pick one by argument or by the MINITE_BACKEND environment variable (default "torch"). Quantization is
+bit-identical across backends. The GEMMs are each batch-invariant (row m of the output depends only
+on row m of x and on w) but sum in different orders, so the two backends agree to fp32-accumulation
+tolerance, not bit for bit: a rollout engine and a learner must use the same backend.
+
+`linear` is an autograd.Function: the forward is the invariant GEMM; the backward is a
+straight-through estimator on the dequantized operands with library matmuls (gradients need not be
+batch-invariant; only the forward must match the rollout).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import nvfp4, reference
+from .nvfp4 import NVFP4Tensor, check_float_input
+
+BACKENDS = ("torch", "triton")
+
+
+def resolve_backend(backend: str | None = None) -> str:
+    name = backend or os.environ.get("MINITE_BACKEND", "torch")
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}: expected one of {BACKENDS} (argument or MINITE_BACKEND)")
+    if name == "triton":
+        try:
+            import triton  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError("backend 'triton' needs the triton package (pip install triton)") from e
+    return name
+
+
+def _check_triton_device(t: torch.Tensor, name: str) -> None:
+    from .kernels.gemm import interpreting
+
+    if t.device.type != "cuda" and not interpreting():
+        raise ValueError(f"{name} is on {t.device}: the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+
+
+def quantize_activation(
+    x: torch.Tensor,
+    *,
+    scale_mode: str = "row",
+    global_scale: torch.Tensor | float | None = None,
+    backend: str | None = None,
+    check_finite: bool = True,
+) -> NVFP4Tensor:
+    """Fused activation quantize: x [..., K] -> NVFP4 with per-row (default) or per-tensor global scale."""
+    backend = resolve_backend(backend)
+    if backend == "torch":
+        return nvfp4.quantize(x, scale_mode=scale_mode, global_scale=global_scale, check_finite=check_finite)
+    from .kernels.quantize import quantize_triton
+
+    check_float_input(x, "x", check_finite=check_finite)
+    _check_triton_device(x, "x")
+    if scale_mode not in ("row", "tensor"):
+        raise ValueError(f"scale_mode must be 'row' or 'tensor', got {scale_mode!r}")
+    if global_scale is not None:
+        global_scale = nvfp4._check_global_scale(global_scale, tuple(x.shape[:-1]), x.device)
+    elif scale_mode == "tensor":
+        global_scale = nvfp4.global_scale_from_amax(x.abs().amax())
+    return quantize_triton(x.contiguous(), global_scale)
+
+
+def _check_linear(x, w, bias):
+    check_float_input(x, "x", check_finite=False)
+    if isinstance(w, NVFP4Tensor):
+        wshape = w.shape
+    elif isinstance(w, torch.Tensor):
+        if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"w must be an NVFP4Tensor or a float32/bfloat16/float16 tensor, got {w.dtype}")
+        wshape = w.shape
+    else:
+        raise TypeError(f"w must be an NVFP4Tensor or a torch.Tensor, got {type(w).__name__}")
+    if len(wshape) != 2:
+        raise ValueError(f"w must be 2-D [N, K], got shape {tuple(wshape)}")
+    if x.shape[-1] != wshape[1]:
+        raise ValueError(f"shape mismatch: x has K={x.shape[-1]} (shape {tuple(x.shape)}) but w is {tuple(wshape)}")
+    if x.device != w.device:
+        raise ValueError(f"x is on {x.device} but w is on {w.device}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != wshape[0]):
+        raise ValueError(f"bias must have shape ({wshape[0]},), got {tuple(bias.shape)}")
+
+
+def _gemm(x2: torch.Tensor, w, bias, out_dtype, backend: str, scale_mode: str) -> torch.Tensor:
+    """The forward product on 2-D x, both backends."""
+    if backend == "torch":
+        if isinstance(w, NVFP4Tensor):
+            out = reference.mm_nvfp4(nvfp4.quantize(x2, scale_mode=scale_mode, check_finite=False), w)
+        else:
+            out = reference.mm_plain(x2.to(w.dtype), w)
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(out_dtype)
+    from .kernels.gemm import gemm_triton
+
+    _check_triton_device(x2, "x")
+    if isinstance(w, NVFP4Tensor):
+        xq = quantize_activation(x2, scale_mode=scale_mode, backend="triton", check_finite=False)
+        return gemm_triton(xq, w, bias, out_dtype)
+    return gemm_triton(x2.to(w.dtype).contiguous(), w.contiguous(), bias, out_dtype)
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w_tensor, bias, w, out_dtype, backend, scale_mode):
+        # w_tensor is w itself for plain weights (so autograd tracks it) and None for NVFP4 weights.
+        ctx.save_for_backward(x, w_tensor)
+        ctx.w = w
+        ctx.has_bias = bias is not None
+        x2 = x.reshape(-1, x.shape[-1])
+        return _gemm(x2, w, bias, out_dtype, backend, scale_mode).reshape(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, w_tensor = ctx.saved_tensors
+        w = ctx.w
+        wd = w.dequantize(torch.float32) if isinstance(w, NVFP4Tensor) else w.float()
+        g2 = grad_out.reshape(-1, grad_out.shape[-1]).float()
+        grad_x = (g2 @ wd).reshape(x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if w_tensor is not None and ctx.needs_input_grad[1]:
+            grad_w = (g2.T @ x.reshape(-1, x.shape[-1]).float()).to(w_tensor.dtype)
+        grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None, None, None, None
+
+
+def linear(
+    x: torch.Tensor,
+    w,
+    bias: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
+    scale_mode: str = "row",
+    backend: str | None = None,
+    check_finite: bool = True,
+) -> torch.Tensor:
+    """x [..., K] @ w.T (+ bias) with fp32 accumulation, batch-invariant.
+
+    w is an NVFP4Tensor [N, K] (W4A4: x is quantized per row inside, or per tensor with
+    scale_mode="tensor") or a plain float tensor [N, K] (x is cast to w's dtype). Output dtype
+    defaults to x's.
+    """
+    backend = resolve_backend(backend)
+    _check_linear(x, w, bias)
+    if check_finite and x.numel() and not bool(torch.isfinite(x).all()):
+        raise ValueError("x contains NaN or Inf values")
+    if scale_mode not in ("row", "tensor"):
+        raise ValueError(f"scale_mode must be 'row' or 'tensor', got {scale_mode!r}")
+    out_dtype = out_dtype or x.dtype
+    w_tensor = None if isinstance(w, NVFP4Tensor) else w
+    return _Linear.apply(x, w_tensor, bias, w, out_dtype, backend, scale_mode)

@@ -1,0 +1,208 @@
+"""The op surface on both backends: quantize bit-exact across backends, GEMMs batch-invariant bit for
+bit and within fp32-accumulation tolerance of an fp64 reference, autograd, and bad input.
+
+On a CPU machine the Triton cases run under the interpreter (small shapes); on a GPU, on the GPU.
+"""
+import pytest
+import torch
+from conftest import DEVICE, HAS_CUDA, backend_params
+
+from minite_core import nvfp4, ops, reference
+
+BACKENDS = backend_params()
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _rand(*shape, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(*shape, generator=g) * torch.exp(torch.randn(*shape[:-1], 1, generator=g) * 2)
+    return rows.to(dtype).to(DEVICE)
+
+
+def _weights(n, k, seed=1):
+    w = _rand(n, k, seed=seed) * 0.1
+    return {
+        "nvfp4-tensor": nvfp4.quantize(w, scale_mode="tensor"),
+        "nvfp4-row": nvfp4.quantize(w, scale_mode="row"),
+        "bf16": w.to(torch.bfloat16),
+        "fp32": w,
+    }
+
+
+def _same_bits(a, b):
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn else torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------------ quantize
+
+
+@pytest.mark.skipif(not HAS_CUDA and not __import__("conftest").HAS_TRITON, reason="triton missing")
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,k", [(1, 16), (7, 48), (37, 272), (130, 64)])
+@pytest.mark.parametrize("mode", ["row", "tensor"])
+def test_triton_quantize_is_bit_exact_with_torch(dtype, rows, k, mode):
+    x = _rand(rows, k, seed=rows + k, dtype=dtype)
+    x[0, :16] = 0.0  # a zero block
+    if rows > 3:
+        x[2] = 0.0  # an all-zero row
+        x[3, 1] = -0.0
+        x[3, 5] = x[3].abs().max() * 7  # an outlier
+    ref = ops.quantize_activation(x, scale_mode=mode, backend="torch")
+    got = ops.quantize_activation(x, scale_mode=mode, backend="triton")
+    assert _same_bits(got.data, ref.data)
+    assert _same_bits(got.scale, ref.scale)
+    assert _same_bits(got.global_scale, ref.global_scale)
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(not __import__("conftest").HAS_TRITON, reason="triton missing")
+def test_triton_quantize_explicit_scale_saturates_like_torch():
+    x = _rand(9, 64, seed=3)
+    gs = torch.tensor(x.abs().max().item() / 2688 / 50, device=DEVICE)  # forces saturation
+    ref = ops.quantize_activation(x, global_scale=gs, backend="torch")
+    got = ops.quantize_activation(x, global_scale=gs, backend="triton")
+    assert _same_bits(got.data, ref.data) and _same_bits(got.scale, ref.scale)
+    assert (ref.scale.view(torch.uint8) == 0x7E).any()  # 448 reached
+
+
+# ------------------------------------------------------------------------------------------------ GEMM
+
+
+def _fp64_reference(x, w, scale_mode):
+    """(x @ w.T, |x| @ |w|.T) in fp64 on the operands the GEMM multiplies."""
+    if isinstance(w, nvfp4.NVFP4Tensor):
+        a, b = nvfp4.quantize(x, scale_mode=scale_mode).dequantize(torch.float64), w.dequantize(torch.float64)
+    else:
+        a, b = x.to(w.dtype).double(), w.double()
+    return a @ b.T, a.abs() @ b.abs().T
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("wkind", ["nvfp4-tensor", "nvfp4-row", "bf16", "fp32"])
+def test_linear_is_batch_invariant(backend, wkind):
+    m, n, k = (67, 40, 96) if DEVICE == "cpu" else (300, 520, 1024)
+    w = _weights(n, k)[wkind]
+    x = _rand(m, k, seed=5)
+    y = ops.linear(x, w, backend=backend)
+    rows = range(m) if DEVICE == "cuda" else [0, 1, 15, 16, 17, 33, m - 1]
+    for i in rows:
+        assert torch.equal(ops.linear(x[i : i + 1], w, backend=backend), y[i : i + 1]), f"row {i}"
+    # a different batch around the same rows: other rows before, after, and a different M
+    other = _rand(13, k, seed=6)
+    y2 = ops.linear(torch.cat([other, x[:20], other[:3]]), w, backend=backend)
+    assert torch.equal(y2[13:33], y[:20])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("wkind", ["nvfp4-tensor", "nvfp4-row", "bf16", "fp32"])
+@pytest.mark.parametrize("scale_mode", ["row", "tensor"])
+def test_linear_matches_fp64_reference(backend, wkind, scale_mode):
+    if scale_mode == "tensor" and not wkind.startswith("nvfp4"):
+        pytest.skip("scale_mode applies to NVFP4 weights")
+    m, n, k = (19, 40, 160) if DEVICE == "cpu" else (257, 384, 2048)
+    w = _weights(n, k, seed=7)[wkind]
+    x = _rand(m, k, seed=8)
+    y = ops.linear(x, w, backend=backend, scale_mode=scale_mode)
+    ref, mag = _fp64_reference(x, w, scale_mode)
+    # fp32 accumulation of K products errs by at most ~K * 2^-24 of the sum of their magnitudes
+    err = ((y.double() - ref).abs() / (mag + 1e-30)).max().item()
+    assert err < k * 2**-24, err
+    assert y.dtype == x.dtype
+
+
+def test_torch_nvfp4_fast_path_equals_the_fixed_tree_order():
+    """Block partial sums of NVFP4 operands are exact, so the batched-matmul path must give exactly the
+    bits of the elementwise fixed-order path on the same operands."""
+    x = nvfp4.quantize(_rand(23, 128, seed=9))
+    w = nvfp4.quantize(_rand(31, 128, seed=10), scale_mode="tensor")
+    fast = reference.mm_nvfp4(x, w)
+    slow = reference.mm_plain(nvfp4.dequantize_unscaled(x), nvfp4.dequantize_unscaled(w))
+    assert torch.equal(fast, (slow * x.global_scale.reshape(-1, 1)) * w.global_scale)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_bias_out_dtype_and_nd_input(backend):
+    w = _weights(24, 64)["nvfp4-tensor"]
+    bias = _rand(24, seed=11)
+    x = _rand(2, 5, 64, seed=12, dtype=torch.bfloat16)
+    y = ops.linear(x, w, bias, out_dtype=torch.float32, backend=backend)
+    assert y.shape == (2, 5, 24) and y.dtype == torch.float32
+    flat = ops.linear(x.reshape(10, 64), w, out_dtype=torch.float32, backend=backend) + bias
+    assert torch.allclose(y.reshape(10, 24), flat, rtol=1e-6, atol=1e-6)
+    assert ops.linear(x, w, backend=backend).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_empty_batch(backend):
+    w = _weights(24, 64)["nvfp4-row"]
+    assert ops.linear(_rand(0, 64), w, backend=backend).shape == (0, 24)
+
+
+# ------------------------------------------------------------------------------------------------ autograd
+
+
+def test_linear_backward_is_straight_through():
+    w_hp = _rand(24, 64, seed=13) * 0.1
+    wq = nvfp4.quantize(w_hp, scale_mode="tensor")
+    x = _rand(6, 64, seed=14).requires_grad_(True)
+    bias = _rand(24, seed=15).requires_grad_(True)
+    y = ops.linear(x, wq, bias)
+    g = _rand(6, 24, seed=16)
+    y.backward(g)
+    assert torch.allclose(x.grad, g @ wq.dequantize(), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(bias.grad, g.sum(0), rtol=1e-5, atol=1e-6)
+
+    wp = w_hp.clone().requires_grad_(True)
+    x2 = x.detach().clone().requires_grad_(True)
+    ops.linear(x2, wp).backward(g)
+    xr, wr = x.detach().clone().requires_grad_(True), w_hp.clone().requires_grad_(True)
+    torch.nn.functional.linear(xr, wr).backward(g)
+    assert torch.allclose(wp.grad, wr.grad, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(x2.grad, xr.grad, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_input_is_named(backend):
+    w = _weights(24, 64)["nvfp4-tensor"]
+    x = _rand(3, 64)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        ops.linear(_rand(3, 48), w, backend=backend)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ops.linear(_rand(3, 60), torch.randn(5, 60, device=DEVICE), backend=backend)
+    with pytest.raises(TypeError, match="w must be"):
+        ops.linear(x, torch.ones(24, 64, dtype=torch.int32, device=DEVICE), backend=backend)
+    with pytest.raises(TypeError, match="w must be"):
+        ops.linear(x, [[1.0]], backend=backend)
+    with pytest.raises(ValueError, match="2-D"):
+        ops.linear(x, torch.randn(2, 24, 64, device=DEVICE), backend=backend)
+    with pytest.raises(ValueError, match="bias"):
+        ops.linear(x, w, torch.zeros(5, device=DEVICE), backend=backend)
+    with pytest.raises(TypeError, match="x must be"):
+        ops.linear(x.to(torch.int64), w, backend=backend)
+    bad = x.clone()
+    bad[1, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        ops.linear(bad, w, backend=backend)
+    with pytest.raises(ValueError, match="NaN"):
+        ops.quantize_activation(bad, backend=backend)
+    inf = x.clone()
+    inf[0, 0] = float("inf")
+    with pytest.raises(ValueError, match="Inf"):
+        ops.linear(inf, w, backend=backend)
+    with pytest.raises(ValueError, match="scale_mode"):
+        ops.linear(x, w, scale_mode="block", backend=backend)
+    ops.linear(bad, _weights(24, 64)["bf16"], backend=backend, check_finite=False)  # the scan can be skipped
+
+
+def test_unknown_backend(monkeypatch):
+    with pytest.raises(ValueError, match="unknown backend"):
+        ops.linear(_rand(2, 16), torch.randn(3, 16, device=DEVICE), backend="cuda")
+    monkeypatch.setenv("MINITE_BACKEND", "tpu")
+    with pytest.raises(ValueError, match="MINITE_BACKEND"):
+        ops.resolve_backend()
+    monkeypatch.setenv("MINITE_BACKEND", "torch")
+    assert ops.resolve_backend() == "torch"
