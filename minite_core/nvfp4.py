@@ -131,10 +131,16 @@ def _check_global_scale(gs, rows_shape: tuple, device) -> torch.Tensor:
     return gs
 
 
+def div(a: torch.Tensor, b: float) -> torch.Tensor:
+    """a / b correctly rounded on every device. (PyTorch's CUDA kernels divide by a Python scalar by
+    multiplying with its reciprocal, which is off by an ulp now and then; a tensor divisor is exact.)"""
+    return a / torch.full_like(a, b)
+
+
 def global_scale_from_amax(amax: torch.Tensor, *, four_over_six: bool = False) -> torch.Tensor:
     """Decode-convention global scale amax / (6 * 448) (or / (4 * 448) for 4over6), floored at GS_MIN."""
     top = (4.0 if four_over_six else E2M1_MAX) * E4M3_MAX
-    return torch.clamp_min(amax.float() / top, GS_MIN)
+    return torch.clamp_min(div(amax.float(), top), GS_MIN)
 
 
 # ---------------------------------------------------------------------------------------------- rounding
@@ -187,9 +193,9 @@ def unpack_codes(data: torch.Tensor) -> torch.Tensor:
 
 def _block_scales(block_amax: torch.Tensor, gs: torch.Tensor, target: float):
     """E4M3 block scales and the fp32 multipliers x -> x / (gs * scale), as the reference computes them."""
-    scaled = (block_amax / target) / gs
+    scaled = div(block_amax, target) / gs
     scale = torch.clamp(scaled, min=E4M3_MIN_NORMAL, max=E4M3_MAX).to(torch.float8_e4m3fn)
-    recip = (1.0 / gs) / scale.float()
+    recip = (torch.ones_like(gs) / gs) / scale.float()
     return scale, recip
 
 

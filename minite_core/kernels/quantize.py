@@ -1,8 +1,8 @@
 """Fused NVFP4 activation quantize (Triton): fp32/bf16/fp16 rows -> packed E2M1 + E4M3 scales + global scale.
 
-One program takes BLOCK_R rows. In row mode it first reduces each row's amax (a row-local max, so the
+One program takes one row. In row mode it first reduces the row's amax (a row-local max, so the
 result cannot depend on the batch) and writes the row's global scale amax / 2688; then it walks K in
-BLOCK_K chunks and, per 16-element block, computes the block scale and the codes exactly as
+chunks of NB blocks held as an [NB, 16] tile and, per 16-element block, computes the block scale and the codes exactly as
 `minite_core.nvfp4.quantize` does: every division is IEEE round-to-nearest (`tl.div_rn`; a plain `/`
 may lower to an approximate division on the GPU), the E4M3 rounding of the block scale is done on the
 fp32 bits (no reliance on the target's fp8 conversion), and E2M1 rounding counts thresholds with ties
@@ -50,45 +50,37 @@ def e2m1_round(v):
 @triton.jit
 def _quantize_kernel(
     x_ptr, data_ptr, scale_ptr, gs_ptr,
-    R, K, stride_x, stride_data, stride_scale, stride_gs,
-    ROW_GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    K, stride_x, stride_data, stride_scale, stride_gs,
+    ROW_GS: tl.constexpr, NB: tl.constexpr,
 ):
-    NB: tl.constexpr = BLOCK_K // 16
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < R
+    """One program per row; the row is walked in chunks of NB blocks, held as an [NB, 16] tile."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    blk = tl.arange(0, NB)
+    offs16 = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
     if ROW_GS:
-        amax = tl.zeros([BLOCK_R], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :],
-                        mask=rmask[:, None] & (cols < K)[None, :], other=0.0).to(tl.float32)
+        amax = tl.zeros([NB], dtype=tl.float32)
+        for k0 in range(0, K, NB * 16):
+            x = tl.load(x_row + k0 + offs16, mask=(k0 + offs16) < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-        gs = tl.maximum(tl.div_rn(amax, _GS_DIV), _GS_MIN)
-        tl.store(gs_ptr + rows * stride_gs, gs, mask=rmask)
+        gs = tl.maximum(tl.div_rn(tl.max(amax, axis=0), _GS_DIV), _GS_MIN)
+        tl.store(gs_ptr + row * stride_gs, gs)
     else:
-        gs = tl.load(gs_ptr + rows * stride_gs, mask=rmask, other=1.0)
-    inv_gs = tl.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), gs)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :],
-                    mask=rmask[:, None] & (cols < K)[None, :], other=0.0).to(tl.float32)
-        xb = tl.reshape(x, [BLOCK_R, NB, 16])
-        bamax = tl.max(tl.abs(xb), axis=2)
-        s = tl.div_rn(tl.div_rn(bamax, _E2M1_MAX), gs[:, None])
+        gs = tl.load(gs_ptr + row * stride_gs)
+    inv_gs = tl.div_rn(tl.zeros([NB], dtype=tl.float32) + 1.0, gs + tl.zeros([NB], dtype=tl.float32))
+    for k0 in range(0, K, NB * 16):
+        ok = (k0 + offs16) < K
+        x = tl.load(x_row + k0 + offs16, mask=ok, other=0.0).to(tl.float32)
+        bamax = tl.max(tl.abs(x), axis=1)
+        s = tl.div_rn(tl.div_rn(bamax, _E2M1_MAX), gs + tl.zeros_like(bamax))
         s = tl.minimum(tl.maximum(s, _E4M3_MIN), _E4M3_MAX)
         s_code, s32 = e4m3_round_bits(s)
-        recip = tl.div_rn(inv_gs[:, None] + tl.zeros_like(s32), s32)
-        v = xb * recip[:, :, None]
+        v = x * tl.div_rn(inv_gs, s32)[:, None]
         v = tl.minimum(tl.maximum(v, -_E2M1_MAX), _E2M1_MAX)
-        codes = tl.reshape(e2m1_round(v), [BLOCK_R, BLOCK_K // 2, 2])
-        lo, hi = tl.split(codes)
-        packed = lo | (hi << 4)
-        pcols = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        tl.store(data_ptr + rows[:, None] * stride_data + pcols[None, :], packed,
-                 mask=rmask[:, None] & (pcols < K // 2)[None, :])
-        scols = k0 // 16 + tl.arange(0, NB)
-        tl.store(scale_ptr + rows[:, None] * stride_scale + scols[None, :], s_code,
-                 mask=rmask[:, None] & (scols < K // 16)[None, :])
+        even, odd = tl.split(tl.reshape(e2m1_round(v), [NB, 8, 2]))
+        offs8 = blk[:, None] * 8 + tl.arange(0, 8)[None, :]
+        tl.store(data_ptr + row * stride_data + k0 // 2 + offs8, even | (odd << 4), mask=(k0 // 2 + offs8) < K // 2)
+        tl.store(scale_ptr + row * stride_scale + k0 // 16 + blk, s_code, mask=(k0 // 16 + blk) < K // 16)
 
 
 def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None) -> NVFP4Tensor:
@@ -107,12 +99,11 @@ def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None) -> NVFP4
     else:
         gs = global_scale.reshape(-1).contiguous()
         stride_gs = 0 if gs.numel() == 1 else 1
-    block_r = 16 if k <= 2048 else 4
-    block_k = min(256, triton.next_power_of_2(k))
+    nb = min(64, triton.next_power_of_2(k // BLOCK))
     if r:
-        _quantize_kernel[(triton.cdiv(r, block_r),)](
-            x2, data, scale, gs, r, k, x2.stride(0), data.stride(0), scale.stride(0), stride_gs,
-            ROW_GS=global_scale is None, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4,
+        _quantize_kernel[(r,)](
+            x2, data, scale, gs, k, x2.stride(0), data.stride(0), scale.stride(0), stride_gs,
+            ROW_GS=global_scale is None, NB=nb, num_warps=4,
         )
     lead = tuple(shape[:-1])
     out_gs = gs.reshape(lead + (1,)) if global_scale is None else global_scale
