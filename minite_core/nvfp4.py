@@ -74,6 +74,8 @@ class NVFP4Tensor:
 
     def __post_init__(self):
         self.shape = torch.Size(self.shape)
+        if len(self.shape) == 0 or self.shape[-1] <= 0 or self.shape[-1] % BLOCK:
+            raise ValueError(f"NVFP4Tensor.shape {tuple(self.shape)}: the last dimension must be a positive multiple of {BLOCK}")
         k = self.shape[-1]
         lead = tuple(self.shape[:-1])
         if self.data.dtype != torch.uint8 or tuple(self.data.shape) != lead + (k // 2,):
@@ -114,8 +116,8 @@ def check_float_input(x: torch.Tensor, name: str, *, check_finite: bool = True) 
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
-    if x.dim() == 0 or x.shape[-1] % BLOCK != 0:
-        raise ValueError(f"{name} has shape {tuple(x.shape)}: its last dimension must be a multiple of {BLOCK}")
+    if x.dim() == 0 or x.shape[-1] == 0 or x.shape[-1] % BLOCK != 0:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}: its last dimension must be a positive multiple of {BLOCK}")
     if check_finite and x.numel() and not bool(torch.isfinite(x).all()):
         raise ValueError(f"{name} contains NaN or Inf values")
 

@@ -20,6 +20,7 @@ import torch
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
+    pytest.importorskip("torchao", reason="torchao (a test dependency, installed by .ci/run) is the reference")
     from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
     from torchao.prototype.mx_formats.utils import to_blocked as ao_to_blocked
 
