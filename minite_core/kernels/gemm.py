@@ -66,7 +66,7 @@ def _gemm_kernel(
     a_ptr, as_ptr, ags_ptr, b_ptr, bs_ptr, bgs_ptr, bias_ptr, c_ptr,
     M, N, K,
     stride_am, stride_asm, stride_ags, stride_bn, stride_bsn, stride_bgs, stride_cm,
-    FP4: tl.constexpr, DOT_FP32: tl.constexpr, DOT_BY_SUM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    FP4: tl.constexpr, DOT_FP32: tl.constexpr, DOT_BY_SUM: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -86,12 +86,22 @@ def _gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         if FP4:
             kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte (= element pair) index
-            ks = kp // 8  # the block scale of each pair
-            kp_ok = kp < K // 2
-            a = tl.load(a_ptr + offs_m[:, None] * stride_am + kp[None, :], mask=mask_m[:, None] & kp_ok[None, :], other=0)
-            sa = tl.load(as_ptr + offs_m[:, None] * stride_asm + ks[None, :], mask=mask_m[:, None] & kp_ok[None, :], other=0)
-            b = tl.load(b_ptr + offs_n[:, None] * stride_bn + kp[None, :], mask=mask_n[:, None] & kp_ok[None, :], other=0)
-            sb = tl.load(bs_ptr + offs_n[:, None] * stride_bsn + ks[None, :], mask=mask_n[:, None] & kp_ok[None, :], other=0)
+            ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)  # block-scale index
+            if EVEN_K:  # no mask along K, so the byte loads vectorize
+                a = tl.load(a_ptr + offs_m[:, None] * stride_am + kp[None, :], mask=mask_m[:, None], other=0)
+                b = tl.load(b_ptr + offs_n[:, None] * stride_bn + kp[None, :], mask=mask_n[:, None], other=0)
+                sa = tl.load(as_ptr + offs_m[:, None] * stride_asm + ks[None, :], mask=mask_m[:, None], other=0)
+                sb = tl.load(bs_ptr + offs_n[:, None] * stride_bsn + ks[None, :], mask=mask_n[:, None], other=0)
+            else:
+                kp_ok = kp < K // 2
+                ks_ok = ks < K // 16
+                a = tl.load(a_ptr + offs_m[:, None] * stride_am + kp[None, :], mask=mask_m[:, None] & kp_ok[None, :], other=0)
+                b = tl.load(b_ptr + offs_n[:, None] * stride_bn + kp[None, :], mask=mask_n[:, None] & kp_ok[None, :], other=0)
+                sa = tl.load(as_ptr + offs_m[:, None] * stride_asm + ks[None, :], mask=mask_m[:, None] & ks_ok[None, :], other=0)
+                sb = tl.load(bs_ptr + offs_n[:, None] * stride_bsn + ks[None, :], mask=mask_n[:, None] & ks_ok[None, :], other=0)
+            # each block scale serves 8 consecutive bytes
+            sa = tl.reshape(tl.broadcast_to(sa[:, :, None], [BLOCK_M, BLOCK_K // 16, 8]), [BLOCK_M, BLOCK_K // 2])
+            sb = tl.reshape(tl.broadcast_to(sb[:, :, None], [BLOCK_N, BLOCK_K // 16, 8]), [BLOCK_N, BLOCK_K // 2])
             a_even, a_odd = decode_nvfp4_pairs(a, sa)
             b_even, b_odd = decode_nvfp4_pairs(b, sb)
             acc = tl.dot(a_even, tl.trans(b_even), acc)
@@ -166,6 +176,6 @@ def gemm_triton(x, w, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torc
         dot_fp32 = x.dtype == torch.float32
     _gemm_kernel[grid](
         *args, bias if bias is not None else c, c, m, n, k, *strides, c.stride(0),
-        FP4=fp4, DOT_FP32=dot_fp32, DOT_BY_SUM=interpreting() and not fp4, HAS_BIAS=bias is not None, **cfg,
+        FP4=fp4, DOT_FP32=dot_fp32, DOT_BY_SUM=interpreting() and not fp4, EVEN_K=k % cfg["BLOCK_K"] == 0, HAS_BIAS=bias is not None, **cfg,
     )
     return c

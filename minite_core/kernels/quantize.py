@@ -51,7 +51,7 @@ def e2m1_round(v):
 def _quantize_kernel(
     x_ptr, data_ptr, scale_ptr, gs_ptr,
     K, stride_x, stride_data, stride_scale, stride_gs,
-    ROW_GS: tl.constexpr, NB: tl.constexpr,
+    ROW_GS: tl.constexpr, NB: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """One program per row; the row is walked in chunks of NB blocks, held as an [NB, 16] tile."""
     row = tl.program_id(0).to(tl.int64)
@@ -61,7 +61,10 @@ def _quantize_kernel(
     if ROW_GS:
         amax = tl.zeros([NB], dtype=tl.float32)
         for k0 in range(0, K, NB * 16):
-            x = tl.load(x_row + k0 + offs16, mask=(k0 + offs16) < K, other=0.0).to(tl.float32)
+            if EVEN_K:  # no mask, so loads vectorize
+                x = tl.load(x_row + k0 + offs16).to(tl.float32)
+            else:
+                x = tl.load(x_row + k0 + offs16, mask=(k0 + offs16) < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
         gs = tl.maximum(tl.div_rn(tl.max(amax, axis=0), _GS_DIV), _GS_MIN)
         tl.store(gs_ptr + row * stride_gs, gs)
@@ -69,8 +72,10 @@ def _quantize_kernel(
         gs = tl.load(gs_ptr + row * stride_gs)
     inv_gs = tl.div_rn(tl.zeros([NB], dtype=tl.float32) + 1.0, gs + tl.zeros([NB], dtype=tl.float32))
     for k0 in range(0, K, NB * 16):
-        ok = (k0 + offs16) < K
-        x = tl.load(x_row + k0 + offs16, mask=ok, other=0.0).to(tl.float32)
+        if EVEN_K:
+            x = tl.load(x_row + k0 + offs16).to(tl.float32)
+        else:
+            x = tl.load(x_row + k0 + offs16, mask=(k0 + offs16) < K, other=0.0).to(tl.float32)
         bamax = tl.max(tl.abs(x), axis=1)
         s = tl.div_rn(tl.div_rn(bamax, _E2M1_MAX), gs + tl.zeros_like(bamax))
         s = tl.minimum(tl.maximum(s, _E4M3_MIN), _E4M3_MAX)
@@ -79,8 +84,12 @@ def _quantize_kernel(
         v = tl.minimum(tl.maximum(v, -_E2M1_MAX), _E2M1_MAX)
         even, odd = tl.split(tl.reshape(e2m1_round(v), [NB, 8, 2]))
         offs8 = blk[:, None] * 8 + tl.arange(0, 8)[None, :]
-        tl.store(data_ptr + row * stride_data + k0 // 2 + offs8, even | (odd << 4), mask=(k0 // 2 + offs8) < K // 2)
-        tl.store(scale_ptr + row * stride_scale + k0 // 16 + blk, s_code, mask=(k0 // 16 + blk) < K // 16)
+        if EVEN_K:
+            tl.store(data_ptr + row * stride_data + k0 // 2 + offs8, even | (odd << 4))
+            tl.store(scale_ptr + row * stride_scale + k0 // 16 + blk, s_code)
+        else:
+            tl.store(data_ptr + row * stride_data + k0 // 2 + offs8, even | (odd << 4), mask=(k0 // 2 + offs8) < K // 2)
+            tl.store(scale_ptr + row * stride_scale + k0 // 16 + blk, s_code, mask=(k0 // 16 + blk) < K // 16)
 
 
 def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None) -> NVFP4Tensor:
@@ -103,7 +112,7 @@ def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None) -> NVFP4
     if r:
         _quantize_kernel[(r,)](
             x2, data, scale, gs, k, x2.stride(0), data.stride(0), scale.stride(0), stride_gs,
-            ROW_GS=global_scale is None, NB=nb, num_warps=4,
+            ROW_GS=global_scale is None, NB=nb, EVEN_K=k % (nb * BLOCK) == 0, num_warps=4,
         )
     lead = tuple(shape[:-1])
     out_gs = gs.reshape(lead + (1,)) if global_scale is None else global_scale
