@@ -132,6 +132,40 @@ def test_linear_bias_out_dtype_and_nd_input(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_decodes_every_code_and_scale_byte(backend):
+    """A weight as a foreign checkpoint may hold it: all 16 codes, and E4M3 block scales over the whole
+    range, subnormal ones (0x01..0x07 = k * 2^-9) included. Quantize itself never writes subnormals."""
+    n, k = 40, 128
+    g = torch.Generator().manual_seed(21)
+    data = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    scale = torch.randint(1, 0x7F, (n, k // 16), generator=g, dtype=torch.uint8)  # 0x7F would be NaN
+    scale[: n // 2, ::2] = torch.randint(1, 8, (n // 2, k // 32), generator=g, dtype=torch.uint8)
+    w = nvfp4.NVFP4Tensor(data.to(DEVICE), scale.view(torch.float8_e4m3fn).to(DEVICE),
+                          torch.tensor(0.01, device=DEVICE), (n, k))
+    # the expected values, decoded by hand in fp64: sign, e2m1 magnitude, e4m3 scale bits
+    codes = nvfp4.unpack_codes(data).long()
+    mag = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)[codes & 7] * (1 - 2 * (codes >> 3))
+    e, m = (scale >> 3).double(), (scale & 7).double()
+    sval = torch.where(e == 0, m * 2.0**-9, (1 + m / 8) * 2.0 ** (e - 7))
+    w64 = (mag.view(n, k // 16, 16) * sval.unsqueeze(-1)).view(n, k) * torch.tensor(0.01).double()
+    assert torch.equal(w.dequantize().cpu(), w64.float())  # one rounding of the exact value
+    x = _rand(9, k, seed=22)
+    y = ops.linear(x, w, backend=backend)
+    a = nvfp4.quantize(x).dequantize(torch.float64)
+    ref, mag_ref = a @ w64.to(DEVICE).T, a.abs() @ w64.abs().to(DEVICE).T
+    assert ((y.double() - ref).abs() / (mag_ref + 1e-30)).max().item() < k * 2**-24
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_takes_non_contiguous_input(backend):
+    w = _weights(24, 64)["nvfp4-row"]
+    big = _rand(64, 10, seed=23)
+    x = big.T  # [10, 64], not contiguous
+    assert not x.is_contiguous()
+    assert torch.equal(ops.linear(x, w, backend=backend), ops.linear(x.contiguous(), w, backend=backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_linear_empty_batch(backend):
     w = _weights(24, 64)["nvfp4-row"]
     assert ops.linear(_rand(0, 64), w, backend=backend).shape == (0, 24)
