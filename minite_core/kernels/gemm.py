@@ -50,15 +50,14 @@ def e4m3_to_fp16(byte):
 
 
 @triton.jit
-def decode_nvfp4_pairs(packed, scale_bytes):
-    """Packed bytes [R, P] and the scale byte of each pair [R, P] -> (even, odd) elements, fp16 code * scale.
+def decode_nvfp4_pairs(packed, scale):
+    """Packed bytes [R, P] and the fp16 block scale of each pair [R, P] -> (even, odd) elements, fp16 code * scale.
 
     Both products are exact in fp16. Returning the even and the odd elements as two tiles (instead of
     interleaving them back) avoids a register shuffle; the GEMM sums over K in that permuted order.
     """
     p = packed.to(tl.int16)
-    s = e4m3_to_fp16(scale_bytes.to(tl.int16))
-    return e2m1_to_fp16(p & 0xF) * s, e2m1_to_fp16(p >> 4) * s
+    return e2m1_to_fp16(p & 0xF) * scale, e2m1_to_fp16(p >> 4) * scale
 
 
 @triton.jit
@@ -99,7 +98,9 @@ def _gemm_kernel(
                 b = tl.load(b_ptr + offs_n[:, None] * stride_bn + kp[None, :], mask=mask_n[:, None] & kp_ok[None, :], other=0)
                 sa = tl.load(as_ptr + offs_m[:, None] * stride_asm + ks[None, :], mask=mask_m[:, None] & ks_ok[None, :], other=0)
                 sb = tl.load(bs_ptr + offs_n[:, None] * stride_bsn + ks[None, :], mask=mask_n[:, None] & ks_ok[None, :], other=0)
-            # each block scale serves 8 consecutive bytes
+            # decode each block scale once, then spread it over its 8 bytes
+            sa = e4m3_to_fp16(sa.to(tl.int16))
+            sb = e4m3_to_fp16(sb.to(tl.int16))
             sa = tl.reshape(tl.broadcast_to(sa[:, :, None], [BLOCK_M, BLOCK_K // 16, 8]), [BLOCK_M, BLOCK_K // 2])
             sb = tl.reshape(tl.broadcast_to(sb[:, :, None], [BLOCK_N, BLOCK_K // 16, 8]), [BLOCK_N, BLOCK_K // 2])
             a_even, a_odd = decode_nvfp4_pairs(a, sa)
