@@ -109,6 +109,9 @@ SWEEP = [  # fixed configs to compare (BLOCK_K must stay 128: the K order is sha
     dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4),
     dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4),
     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=2, num_stages=4),
+    dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4, SWAP_AB=True),
+    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4, SWAP_AB=True),
+    dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3, SWAP_AB=True),
 ]
 
 

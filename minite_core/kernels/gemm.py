@@ -65,7 +65,7 @@ def _gemm_kernel(
     a_ptr, as_ptr, ags_ptr, b_ptr, bs_ptr, bgs_ptr, bias_ptr, c_ptr,
     M, N, K,
     stride_am, stride_asm, stride_ags, stride_bn, stride_bsn, stride_bgs, stride_cm,
-    FP4: tl.constexpr, DOT_FP32: tl.constexpr, DOT_BY_SUM: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    FP4: tl.constexpr, DOT_FP32: tl.constexpr, DOT_BY_SUM: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -82,6 +82,7 @@ def _gemm_kernel(
     mask_m = offs_m < M
     mask_n = offs_n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if FP4:
             kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte (= element pair) index
@@ -105,8 +106,12 @@ def _gemm_kernel(
             sb = tl.reshape(tl.broadcast_to(sb[:, :, None], [BLOCK_N, BLOCK_K // 16, 8]), [BLOCK_N, BLOCK_K // 2])
             a_even, a_odd = decode_nvfp4_pairs(a, sa)
             b_even, b_odd = decode_nvfp4_pairs(b, sb)
-            acc = tl.dot(a_even, tl.trans(b_even), acc)
-            acc = tl.dot(a_odd, tl.trans(b_odd), acc)
+            if SWAP_AB:  # small M: the weight tile is the MMA's first operand (kept in registers)
+                acc_t = tl.dot(b_even, tl.trans(a_even), acc_t)
+                acc_t = tl.dot(b_odd, tl.trans(a_odd), acc_t)
+            else:
+                acc = tl.dot(a_even, tl.trans(b_even), acc)
+                acc = tl.dot(a_odd, tl.trans(b_odd), acc)
         else:
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < K
@@ -119,6 +124,8 @@ def _gemm_kernel(
                 acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
+    if SWAP_AB:
+        acc = tl.trans(acc_t)
     if FP4:
         gsa = tl.load(ags_ptr + offs_m * stride_ags, mask=mask_m, other=1.0)
         gsb = tl.load(bgs_ptr + offs_n * stride_bgs, mask=mask_n, other=1.0)
@@ -139,13 +146,14 @@ CONFIG_OVERRIDE: dict | None = None  # bench/gemm.py only: try other fixed confi
 def gemm_config(m: int, n: int, k: int, fp4: bool) -> dict:
     """The one tile configuration for (N, K): BLOCK_K and the reduction order never depend on M."""
     if interpreting():
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64 if fp4 else 32, GROUP_M=4, num_warps=4, num_stages=1)
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64 if fp4 else 32, GROUP_M=4, num_warps=4, num_stages=1,
+                    SWAP_AB=fp4 and m <= 16)
     if fp4 and CONFIG_OVERRIDE:
         return dict(CONFIG_OVERRIDE)
     if fp4:
         cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
         if SMALL_M_TILES and m <= 16:
-            cfg.update(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4)
+            cfg.update(BLOCK_M=16, BLOCK_N=128, num_warps=4, num_stages=4, SWAP_AB=True)
         return cfg
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
@@ -175,6 +183,8 @@ def gemm_triton(x, w, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torc
         args = (x, x, x, w, w, w)
         strides = (x.stride(0), 0, 0, w.stride(0), 0, 0)
         dot_fp32 = x.dtype == torch.float32
+    cfg = dict(cfg)
+    cfg.setdefault("SWAP_AB", False)
     _gemm_kernel[grid](
         *args, bias if bias is not None else c, c, m, n, k, *strides, c.stride(0),
         FP4=fp4, DOT_FP32=dot_fp32, DOT_BY_SUM=interpreting() and not fp4, EVEN_K=k % cfg["BLOCK_K"] == 0, HAS_BIAS=bias is not None, **cfg,
