@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .nvfp4 import BLOCK, NVFP4Tensor, dequantize_unscaled
+from .nvfp4 import BLOCK, NVFP4Tensor, dequantize_unscaled, div
 
 _MAX_ELEMS = 1 << 24  # intermediate elements per chunk (64 MiB of fp32)
 
@@ -61,12 +61,23 @@ def mm_nvfp4(x: NVFP4Tensor, w: NVFP4Tensor) -> torch.Tensor:
     return (out * gx) * gw
 
 
-def _tree_sum16(p: torch.Tensor) -> torch.Tensor:
-    """Sum the last dimension (16) as a fixed pairwise tree."""
-    while p.shape[-1] > 1:
-        h = p.shape[-1] // 2
-        p = p[..., :h] + p[..., h:]
-    return p[..., 0]
+def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Sum over `dim` in a fixed order: zero-pad to a power of two, then add the halves, log2(n) times.
+
+    Only elementwise adds, so the order cannot depend on the other dimensions (batch, rows). And
+    zeros appended at the end do not change the bits: tree_sum(cat(x, 0)) == tree_sum(x). That is
+    what lets a decode step over a KV cache (t+1 keys, or a padded cache) and the learner's causal
+    prefill (T keys, the future ones masked to 0) sum the same terms in the same order.
+    """
+    x = x.movedim(dim, -1)
+    n = x.shape[-1]
+    p = 1 << max(n - 1, 0).bit_length()
+    if p != n:
+        x = torch.nn.functional.pad(x, (0, p - n))
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x[..., 0]
 
 
 def mm_plain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -80,7 +91,64 @@ def mm_plain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         xb = xf[lo:hi].view(hi - lo, k // BLOCK, BLOCK)
         acc = None
         for b in range(k // BLOCK):
-            part = _tree_sum16(xb[:, None, b, :] * wb[None, :, b, :])
+            part = tree_sum(xb[:, None, b, :] * wb[None, :, b, :])
             acc = part if acc is None else acc + part
         out[lo:hi] = acc
     return out
+
+
+# ------------------------------------------------------------------------------- row-local ops
+# Built only from elementwise ops, exact max reductions and `tree_sum`. Elementwise exp/log/rsqrt and
+# the four arithmetic ops give the same bits for an element wherever it sits in a tensor; some library
+# composites do not (on CPU, torch.sigmoid / F.silu give different bits for an element computed in a
+# SIMD lane and in the scalar remainder), so silu is written out from exp.
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x * rsqrt(mean(x^2) + eps)) with the statistics in fp32, as HF's Qwen3RMSNorm."""
+    xf = x.float()
+    var = div(tree_sum(xf * xf), float(x.shape[-1]))
+    y = (xf * torch.rsqrt(var + eps).unsqueeze(-1)).to(x.dtype)
+    return weight * y
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up = gate / (1 + exp(-gate)) * up, in fp32, rounded once to gate's dtype."""
+    g = gate.float()
+    return (g / (1.0 + torch.exp(-g)) * up.float()).to(gate.dtype)
+
+
+def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / temperature) over the last dimension, fp32."""
+    z = logits.float()
+    if temperature != 1.0:
+        z = div(z, float(temperature))
+    m = z.amax(-1, keepdim=True)
+    return z - (m + torch.log(tree_sum(torch.exp(z - m))).unsqueeze(-1))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """Causal GQA attention with one reduction order for prefill and decode.
+
+    q [B, Hq, Tq, D]; k, v [B, Hkv, Tk, D] (a KV cache may be longer than its valid part);
+    q_pos [B, Tq] absolute positions of the queries; kv_len [B] valid keys. Key j is seen by a query at
+    position p when j <= p and j < kv_len. Scores and the weighted sum over keys use `tree_sum`, and
+    masked keys contribute exact zeros at the end of the key axis, so a query gets the same bits from
+    a full causal prefill and from a decode step over a cache of any capacity. Returns fp32.
+    """
+    b, hq, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    rep = hq // hkv
+    kf = k.float().repeat_interleave(rep, dim=1)
+    vf = v.float().repeat_interleave(rep, dim=1)
+    scores = tree_sum(q.float().unsqueeze(3) * kf.unsqueeze(2)) * scale  # [B, H, Tq, Tk]
+    j = torch.arange(tk, device=q.device)
+    valid = (j.view(1, 1, tk) <= q_pos.unsqueeze(-1)) & (j.view(1, 1, tk) < kv_len.view(-1, 1, 1))  # [B, Tq, Tk]
+    valid = valid.unsqueeze(1)
+    scores = scores.masked_fill(~valid, float("-inf"))
+    m = scores.amax(-1, keepdim=True)
+    e = torch.where(valid, torch.exp(scores - m), torch.zeros((), device=q.device))
+    num = tree_sum(torch.where(valid.unsqueeze(-1), e.unsqueeze(-1) * vf.unsqueeze(2), torch.zeros((), device=q.device)), dim=-2)
+    den = tree_sum(e).unsqueeze(-1)
+    return torch.where(den > 0, num / den, torch.zeros((), device=q.device))  # a query with no valid key: 0
