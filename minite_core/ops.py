@@ -158,3 +158,48 @@ def linear(
     out_dtype = out_dtype or x.dtype
     w_tensor = None if isinstance(w, NVFP4Tensor) else w
     return _Linear.apply(x, w_tensor, bias, w, out_dtype, backend, scale_mode)
+
+
+# ------------------------------------------------------------------------------- row-local ops
+# These have no Triton kernel yet: every backend runs the torch implementation (CPU or GPU), which is
+# batch-invariant and decode == prefill by construction (see `reference.tree_sum`).
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, backend: str | None = None) -> torch.Tensor:
+    resolve_backend(backend)
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm weight has shape {tuple(weight.shape)}, expected ({x.shape[-1]},)")
+    return reference.rms_norm(x, weight, eps)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    resolve_backend(backend)
+    if gate.shape != up.shape:
+        raise ValueError(f"silu_mul operands differ in shape: {tuple(gate.shape)} vs {tuple(up.shape)}")
+    return reference.silu_mul(gate, up)
+
+
+def log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, backend: str | None = None) -> torch.Tensor:
+    resolve_backend(backend)
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return reference.log_softmax(logits, temperature)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, *,
+                   backend: str | None = None) -> torch.Tensor:
+    """log_softmax(logits / temperature)[..., token]: the logprob both engines report for a sampled token."""
+    if logits.shape[:-1] != tokens.shape:
+        raise ValueError(f"tokens {tuple(tokens.shape)} do not match logits {tuple(logits.shape)}")
+    return log_softmax(logits, temperature, backend=backend).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor, *,
+              scale: float | None = None, backend: str | None = None) -> torch.Tensor:
+    """Causal GQA attention, q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D]; see `reference.attention`."""
+    resolve_backend(backend)
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"attention shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
+    return reference.attention(q, k, v, q_pos, kv_len, q.shape[-1] ** -0.5 if scale is None else scale)
