@@ -1,0 +1,247 @@
+"""Qwen3 and Qwen3-MoE, built only from `minite_core.ops`.
+
+The forward pass follows HF transformers' eager implementation op for op (RMSNorm in fp32 then cast,
+q/k RMSNorm over head_dim before RoPE, NeoX rotate-half RoPE with fp32 frequencies, GQA, SwiGLU,
+MoE softmax-top-k routing with optional renormalisation and experts combined in ascending expert
+order), but every reduction is one of miniTE's fixed-order ops, so a token's logits do not depend on
+its batch mates, and a decode step over a KV cache gives the bits of the full-sequence forward.
+
+`Qwen3.forward(input_ids, positions, cache=None)` serves both engines:
+- learner / prefill: positions [B, T], no cache: attention over the sequence itself;
+- rollout decode: `cache` is a `KVCache` and `slots` name the cache rows of the batch; the new keys and
+  values are written at `positions`, and attention runs over each slot's cache.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .. import ops
+from ..reference import tree_sum
+
+ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
+@dataclasses.dataclass
+class Qwen3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    # MoE (num_experts == 0: dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple = ()
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "Qwen3Config":
+        """From a HF config.json dict; raises ValueError for other architectures or unsupported options."""
+        arch = (cfg.get("architectures") or [None])[0]
+        if arch not in ARCHITECTURES and cfg.get("model_type") not in ("qwen3", "qwen3_moe"):
+            raise ValueError(f"unsupported architecture {arch!r} (model_type {cfg.get('model_type')!r}): expected one of {ARCHITECTURES}")
+        moe = arch == "Qwen3MoeForCausalLM" or cfg.get("model_type") == "qwen3_moe"
+        rope = cfg.get("rope_parameters") or {}
+        if rope.get("rope_type", "default") != "default" or cfg.get("rope_scaling"):
+            raise ValueError("only the default RoPE is supported (no rope scaling)")
+        if cfg.get("use_sliding_window"):
+            raise ValueError("sliding-window attention is not supported")
+        try:
+            heads = cfg["num_attention_heads"]
+            out = cls(
+                vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+                num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=heads,
+                num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+                max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+                tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+                attention_bias=cfg.get("attention_bias", False),
+            )
+        except KeyError as e:
+            raise ValueError(f"config.json lacks {e.args[0]!r}") from None
+        if moe:
+            out.num_experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+            out.num_experts_per_tok = cfg.get("num_experts_per_tok", 0)
+            out.moe_intermediate_size = cfg.get("moe_intermediate_size", 0)
+            out.norm_topk_prob = cfg.get("norm_topk_prob", False)
+            out.decoder_sparse_step = cfg.get("decoder_sparse_step", 1)
+            out.mlp_only_layers = tuple(cfg.get("mlp_only_layers") or ())
+            if not (out.num_experts > 0 and 0 < out.num_experts_per_tok <= out.num_experts):
+                raise ValueError(f"bad MoE config: {out.num_experts} experts, top-{out.num_experts_per_tok}")
+        if out.num_attention_heads % out.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        return out
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    def expected_shapes(self) -> dict[str, tuple]:
+        """Every tensor the model needs, by its HF name, with its shape (per-expert MoE layout)."""
+        h, d = self.hidden_size, self.head_dim
+        s = {"model.embed_tokens.weight": (self.vocab_size, h), "model.norm.weight": (h,)}
+        if not self.tie_word_embeddings:
+            s["lm_head.weight"] = (self.vocab_size, h)
+        for i in range(self.num_hidden_layers):
+            p = f"model.layers.{i}."
+            s.update({
+                p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (self.num_attention_heads * d, h),
+                p + "self_attn.k_proj.weight": (self.num_key_value_heads * d, h),
+                p + "self_attn.v_proj.weight": (self.num_key_value_heads * d, h),
+                p + "self_attn.o_proj.weight": (h, self.num_attention_heads * d),
+                p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+            })
+            if self.attention_bias:
+                for n, rows in (("q", self.num_attention_heads * d), ("k", self.num_key_value_heads * d),
+                                ("v", self.num_key_value_heads * d), ("o", h)):
+                    s[p + f"self_attn.{n}_proj.bias"] = (rows,)
+            if self.is_moe_layer(i):
+                m = self.moe_intermediate_size
+                s[p + "mlp.gate.weight"] = (self.num_experts, h)
+                for e in range(self.num_experts):
+                    q = p + f"mlp.experts.{e}."
+                    s.update({q + "gate_proj.weight": (m, h), q + "up_proj.weight": (m, h), q + "down_proj.weight": (h, m)})
+            else:
+                m = self.intermediate_size
+                s.update({p + "mlp.gate_proj.weight": (m, h), p + "mlp.up_proj.weight": (m, h), p + "mlp.down_proj.weight": (h, m)})
+        return s
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+class KVCache:
+    """Slot KV cache: per layer, K and V buffers [slots, kv_heads, capacity, head_dim]."""
+
+    def __init__(self, cfg: Qwen3Config, slots: int, capacity: int, dtype: torch.dtype, device):
+        shape = (slots, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.slots, self.capacity = slots, capacity
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class Qwen3:
+    """The model: a config, a dict of weights by HF name (plain tensors or NVFP4Tensors), a backend."""
+
+    def __init__(self, cfg: Qwen3Config, weights: dict, *, dtype: torch.dtype, backend: str = "torch",
+                 act_scale_mode: str = "row"):
+        self.cfg, self.w, self.dtype, self.backend = cfg, weights, dtype, backend
+        self.act_scale_mode = act_scale_mode
+        self.device = weights["model.embed_tokens.weight"].device
+        d = cfg.head_dim
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=self.device) / d))
+
+    # -- building blocks ------------------------------------------------------------------------
+    def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        w = self.w[name + ".weight"]
+        return ops.linear(x, w, self.w.get(name + ".bias"), out_dtype=self.dtype, backend=self.backend,
+                          scale_mode=self.act_scale_mode, check_finite=False)
+
+    def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return ops.rms_norm(x, self.w[name + ".weight"], self.cfg.rms_norm_eps, backend=self.backend)
+
+    def rope(self, positions: torch.Tensor):
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        return self.linear(ops.silu_mul(self.linear(x, p + "gate_proj"), self.linear(x, p + "up_proj")), p + "down_proj")
+
+    def moe(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        """Top-k routing; each token sums its experts' outputs in ascending expert order (as HF's eager path)."""
+        cfg = self.cfg
+        flat = x.reshape(-1, x.shape[-1])
+        router = self.linear(flat, p + "gate")
+        probs = torch.exp(ops.log_softmax(router, backend=self.backend))
+        top_v, top_i = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
+        if cfg.norm_topk_prob:
+            top_v = top_v / tree_sum(top_v).unsqueeze(-1)
+        top_v = top_v.to(self.dtype)
+        out = torch.zeros_like(flat)
+        for e in range(cfg.num_experts):
+            tok, slot = torch.where(top_i == e)
+            if tok.numel() == 0:
+                continue
+            y = self.mlp(flat[tok], p + f"experts.{e}.")
+            out.index_add_(0, tok, (y * top_v[tok, slot].unsqueeze(-1)).to(out.dtype))
+        return out.view_as(x)
+
+    # -- forward --------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
+                slots: torch.Tensor | None = None, capture=None) -> torch.Tensor:
+        """input_ids, positions [B, T] -> logits [B, T, V] (fp32). `capture(name, tensor)` sees every op's output."""
+        cfg = self.cfg
+        b, t = input_ids.shape
+        hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        emit = capture or (lambda name, value: None)
+        x = self.w["model.embed_tokens.weight"][input_ids].to(self.dtype)
+        emit("embed", x)
+        cos, sin = self.rope(positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        if cache is None:
+            kv_len = torch.full((b,), t, device=input_ids.device)
+        else:
+            kv_len = positions[:, -1] + 1
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            h = self.norm(x, p + "input_layernorm")
+            q = self.norm(self.linear(h, p + "self_attn.q_proj").view(b, t, hq, d), p + "self_attn.q_norm").transpose(1, 2)
+            k = self.norm(self.linear(h, p + "self_attn.k_proj").view(b, t, hkv, d), p + "self_attn.k_norm").transpose(1, 2)
+            v = self.linear(h, p + "self_attn.v_proj").view(b, t, hkv, d).transpose(1, 2)
+            emit(f"layers.{i}.qkv_proj", torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1))
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            if cache is not None:
+                idx = positions.unsqueeze(1).unsqueeze(-1).expand(b, hkv, t, d)
+                ck, cv = cache.k[i][slots], cache.v[i][slots]
+                ck.scatter_(2, idx, k)
+                cv.scatter_(2, idx, v)
+                cache.k[i][slots], cache.v[i][slots] = ck, cv
+                k, v = ck, cv
+            a = ops.attention(q, k, v, positions, kv_len, backend=self.backend).to(self.dtype)
+            emit(f"layers.{i}.attention", a)
+            x = x + self.linear(a.transpose(1, 2).reshape(b, t, hq * d), p + "self_attn.o_proj")
+            emit(f"layers.{i}.o_proj", x)
+            h = self.norm(x, p + "post_attention_layernorm")
+            x = x + (self.moe(h, p + "mlp.") if cfg.is_moe_layer(i) else self.mlp(h, p + "mlp."))
+            emit(f"layers.{i}.mlp", x)
+        x = self.norm(x, "model.norm")
+        head = "model.embed_tokens" if cfg.tie_word_embeddings else "lm_head"
+        logits = self.linear(x, head).float()
+        emit("lm_head", logits)
+        return logits
+
+    __call__ = forward
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """model(input_ids) -> logits for a [B, T] batch of full sequences."""
+        b, t = input_ids.shape
+        return self.forward(input_ids, torch.arange(t, device=input_ids.device).expand(b, t))
+
+    def linear_weights(self) -> list[str]:
+        """Names of the weights of the linear layers that NVFP4 precision quantizes (not embeddings,
+        lm_head, norms or the MoE router)."""
+        keep = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                "gate_proj", "up_proj", "down_proj")
+        return [n for n in self.w if n.endswith(".weight") and any(n.endswith(k + ".weight") for k in keep)]
+

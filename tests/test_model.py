@@ -1,0 +1,115 @@
+"""The Qwen3 / Qwen3-MoE model: parity with HF transformers on tiny random checkpoints that the tests
+build and save themselves, batch invariance of its logits, and loading errors."""
+import json
+
+import pytest
+import torch
+
+from minite_core import ops
+from minite_core.model import load_model
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6)
+
+
+def _save(path, moe: bool, **extra):
+    torch.manual_seed(0)
+    if moe:
+        cfg = transformers.Qwen3MoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                          norm_topk_prob=True, **extra)
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY, **extra))
+    with torch.no_grad():  # norms start at 1: make them random so that parity tests mean something
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    return _save(tmp_path_factory.mktemp("dense"), moe=False)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return _save(tmp_path_factory.mktemp("moe"), moe=True)
+
+
+def _hf_logits(path, moe, dtype, ids):
+    cls = transformers.Qwen3MoeForCausalLM if moe else transformers.Qwen3ForCausalLM
+    kw = {"experts_implementation": "eager"} if moe else {}
+    hf = cls.from_pretrained(path, dtype=dtype, attn_implementation="eager", **kw).eval()
+    with torch.no_grad():
+        return hf(ids, use_cache=False).logits.float()
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_fp32_logits_match_transformers(dense_dir, moe_dir, moe):
+    path = moe_dir if moe else dense_dir
+    ids = torch.randint(0, 96, (3, 17), generator=torch.Generator().manual_seed(1))
+    ours = load_model(path, precision="fp32").logits(ids)
+    ref = _hf_logits(path, moe, torch.float32, ids)
+    assert (ours - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_bf16_logits_match_transformers_within_bf16_noise(dense_dir, moe_dir, moe):
+    path = moe_dir if moe else dense_dir
+    ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(2))
+    ours = load_model(path, precision="bf16").logits(ids)
+    ref = _hf_logits(path, moe, torch.bfloat16, ids)
+    ref32 = _hf_logits(path, moe, torch.float32, ids)
+    # bf16 noise: our bf16 logits sit about as far from fp32 as HF's bf16 logits do
+    assert (ours - ref32).abs().max() <= 2 * (ref - ref32).abs().max() + 1e-2
+
+
+@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_logits_are_batch_invariant(dense_dir, moe_dir, moe, precision):
+    model = load_model(moe_dir if moe else dense_dir, precision=precision)
+    ids = torch.randint(0, 96, (6, 13), generator=torch.Generator().manual_seed(3))
+    full = model.logits(ids)
+    for i in range(6):
+        assert torch.equal(model.logits(ids[i:i + 1]), full[i:i + 1]), i
+    assert torch.equal(model.logits(ids[:, :7]), full[:, :7])  # causal: a prefix gives the prefix's rows
+
+
+def test_nvfp4_quantizes_the_linear_layers_only(dense_dir):
+    model = load_model(dense_dir, precision="nvfp4", keep_bf16=[-1])
+    from minite_core.nvfp4 import NVFP4Tensor
+
+    quantized = {n for n, w in model.w.items() if isinstance(w, NVFP4Tensor)}
+    assert "model.layers.0.self_attn.q_proj.weight" in quantized and "model.layers.0.mlp.down_proj.weight" in quantized
+    assert not any(n.startswith("model.layers.1.") for n in quantized)  # the last block is kept in bf16
+    assert "model.embed_tokens.weight" not in quantized and "lm_head.weight" not in quantized
+    fp32 = load_model(dense_dir, precision="fp32").logits(torch.arange(10).view(1, -1))
+    q = model.logits(torch.arange(10).view(1, -1))
+    assert ((q - fp32).norm() / fp32.norm()).item() < 0.2
+
+
+def test_loading_errors(tmp_path, dense_dir):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(dense_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(dict(cfg, architectures=["LlamaForCausalLM"], model_type="llama")))
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        load_model(bad)
+    (bad / "config.json").write_text(json.dumps(dict(cfg, hidden_size=32)))
+    with pytest.raises(ValueError, match="shape"):
+        load_model(bad)
+    (bad / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=3)))
+    with pytest.raises(ValueError, match="missing"):
+        load_model(bad)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="precision"):
+        load_model(dense_dir, precision="int8")
+    with pytest.raises(ValueError, match="backend"):
+        ops.resolve_backend("jax")
