@@ -3,6 +3,7 @@ continuous batching (requests joining mid-flight, mixed lengths, >= 16 at once),
 dense and MoE; seeded sampling reproducible whatever the batch mates; bad requests rejected."""
 import pytest
 import torch
+from conftest import DEVICE, HAS_CUDA, HAS_TRITON
 
 from minite_core.engine import Learner, RolloutEngine, SamplingParams
 from minite_core.model import load_model
@@ -36,7 +37,7 @@ def _prompts(n, seed=0):
 
 @pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
 def test_rollout_logprobs_equal_learner_logprobs(ckpt, precision):
-    model = load_model(ckpt, precision=precision)
+    model = load_model(ckpt, precision=precision, device=DEVICE)
     engine = RolloutEngine(model, max_slots=6, max_seq_len=80)  # 18 sequences through 6 slots: joins mid-flight
     prompts = _prompts(18)
     params = [SamplingParams(max_tokens=8 + i % 7, temperature=[1.0, 0.7, 0.0][i % 3], top_k=[0, 20][i % 2],
@@ -51,6 +52,20 @@ def test_rollout_logprobs_equal_learner_logprobs(ckpt, precision):
     # scoring in a batch gives the same bits as scoring alone
     batched = learner.batch_logprobs([o.prompt_ids for o in outs], [o.token_ids for o in outs], 1.0)
     assert all(torch.equal(b, learner.logprobs(o.prompt_ids, o.token_ids, 1.0)) for b, o in zip(batched, outs))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.interpreter
+@pytest.mark.gpu
+def test_triton_backend_rollout_equals_learner(ckpt):
+    """The same contract with the Triton kernels (interpreter on CPU: a small case; the GPU: larger)."""
+    model = load_model(ckpt, precision="nvfp4", backend="triton", device=DEVICE)
+    engine = RolloutEngine(model, max_slots=2, max_seq_len=48)
+    n, steps = (3, 4) if not HAS_CUDA else (24, 16)
+    outs = engine.generate(_prompts(n, seed=4), SamplingParams(max_tokens=steps, temperature=1.0, seed=3))
+    learner = Learner(model)
+    for o in outs:
+        assert torch.equal(o.logprobs, learner.logprobs(o.prompt_ids, o.token_ids)), o.request_index
 
 
 def test_seeded_request_is_reproducible_alone_or_in_a_batch(ckpt):

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from conftest import DEVICE
 
 from minite_core import ops
 from minite_core.model import load_model
@@ -71,8 +72,8 @@ def test_bf16_logits_match_transformers_within_bf16_noise(dense_dir, moe_dir, mo
 @pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_logits_are_batch_invariant(dense_dir, moe_dir, moe, precision):
-    model = load_model(moe_dir if moe else dense_dir, precision=precision)
-    ids = torch.randint(0, 96, (6, 13), generator=torch.Generator().manual_seed(3))
+    model = load_model(moe_dir if moe else dense_dir, precision=precision, device=DEVICE)
+    ids = torch.randint(0, 96, (6, 13), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     full = model.logits(ids)
     for i in range(6):
         assert torch.equal(model.logits(ids[i:i + 1]), full[i:i + 1]), i
