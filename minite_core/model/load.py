@@ -53,8 +53,10 @@ def _kept(name: str, keep_bf16, n_layers: int) -> bool:
 
 
 def load_model(path, *, precision: str = "bf16", backend: str = "torch", device="cpu", keep_bf16=(),
-               act_scale_mode: str = "row") -> Qwen3:
-    """Load a Qwen3 / Qwen3-MoE checkpoint directory. Raises ValueError/FileNotFoundError naming the problem."""
+               knobs: dict | None = None) -> Qwen3:
+    """Load a Qwen3 / Qwen3-MoE checkpoint directory. Raises ValueError/FileNotFoundError naming the problem.
+
+    `knobs` (see `qwen3.KNOBS`) reproduce real stacks' misalignments, e.g. {"matmul": "library"}."""
     path = Path(path)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
@@ -88,7 +90,7 @@ def load_model(path, *, precision: str = "bf16", backend: str = "torch", device=
             weights[name] = nvfp4.quantize(t.to(device), scale_mode="tensor")
         else:
             weights[name] = t.to(device=device, dtype=dtype)
-    model = Qwen3(cfg, weights, dtype=dtype, backend=backend, act_scale_mode=act_scale_mode)
+    model = Qwen3(cfg, weights, dtype=dtype, backend=backend, knobs=knobs)
     model.tokenizer = _load_tokenizer(path, cfg)
     return model
 

@@ -125,6 +125,24 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
+KNOBS = {  # misalignment knobs: each picks a different op (None: the aligned one)
+    "matmul": ("invariant", "library"),  # library: torch.matmul (MKL / cuBLAS)
+    "attention": ("invariant", "sdpa"),  # sdpa: torch's scaled_dot_product_attention
+    "act_scale": ("row", "tensor"),  # tensor: per-tensor activation global scale (depends on the batch)
+    "kv_cache_dtype": (None, "fp8_e4m3", "fp16", "bf16"),  # the rollout's KV cache stored in another dtype
+}
+_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def check_knobs(knobs: dict) -> dict:
+    for k, v in knobs.items():
+        if k not in KNOBS:
+            raise ValueError(f"unknown knob {k!r}: expected one of {sorted(KNOBS)}")
+        if v not in KNOBS[k]:
+            raise ValueError(f"knob {k} must be one of {KNOBS[k]}, got {v!r}")
+    return dict(knobs)
+
+
 class KVCache:
     """Slot KV cache: per layer, K and V buffers [slots, kv_heads, capacity, head_dim]."""
 
@@ -143,17 +161,21 @@ class Qwen3:
     """The model: a config, a dict of weights by HF name (plain tensors or NVFP4Tensors), a backend."""
 
     def __init__(self, cfg: Qwen3Config, weights: dict, *, dtype: torch.dtype, backend: str = "torch",
-                 act_scale_mode: str = "row"):
+                 knobs: dict | None = None):
         self.cfg, self.w, self.dtype, self.backend = cfg, weights, dtype, backend
-        self.act_scale_mode = act_scale_mode
+        self.knobs = check_knobs(knobs or {})
+        self.act_scale_mode = self.knobs.get("act_scale", "row")
+        self.cache_dtype = _CACHE_DTYPES.get(self.knobs.get("kv_cache_dtype"), dtype)
         self.device = weights["model.embed_tokens.weight"].device
         d = cfg.head_dim
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=self.device) / d))
 
     # -- building blocks ------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        w = self.w[name + ".weight"]
-        return ops.linear(x, w, self.w.get(name + ".bias"), out_dtype=self.dtype, backend=self.backend,
+        w, bias = self.w[name + ".weight"], self.w.get(name + ".bias")
+        if self.knobs.get("matmul") == "library":
+            return ops.library_linear(x, w, bias, out_dtype=self.dtype, scale_mode=self.act_scale_mode)
+        return ops.linear(x, w, bias, out_dtype=self.dtype, backend=self.backend,
                           scale_mode=self.act_scale_mode, check_finite=False)
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -214,11 +236,16 @@ class Qwen3:
             if cache is not None:
                 idx = positions.unsqueeze(1).unsqueeze(-1).expand(b, hkv, t, d)
                 ck, cv = cache.k[i][slots], cache.v[i][slots]
+                if self.cache_dtype != self.dtype:  # knob: the cache holds values rounded to another dtype
+                    k, v = k.to(self.cache_dtype).to(self.dtype), v.to(self.cache_dtype).to(self.dtype)
                 ck.scatter_(2, idx, k)
                 cv.scatter_(2, idx, v)
                 cache.k[i][slots], cache.v[i][slots] = ck, cv
                 k, v = ck, cv
-            a = ops.attention(q, k, v, positions, kv_len, backend=self.backend).to(self.dtype)
+            if self.knobs.get("attention") == "sdpa":
+                a = ops.sdpa_attention(q, k, v, positions, kv_len).to(self.dtype)
+            else:
+                a = ops.attention(q, k, v, positions, kv_len, backend=self.backend).to(self.dtype)
             emit(f"layers.{i}.attention", a)
             x = x + self.linear(a.transpose(1, 2).reshape(b, t, hq * d), p + "self_attn.o_proj")
             emit(f"layers.{i}.o_proj", x)
