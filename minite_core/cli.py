@@ -1,6 +1,7 @@
 """The `minite` command line.
 
     minite demo [--backend torch|triton] [--m M --n N --k K]
+    minite diagnose [--model DIR] [--precision nvfp4] [--rollout-knob K=V ...] [--learner-knob K=V ...] [--out DIR]
 
 `demo` shows the core promise on random data: an NVFP4 (W4A4) linear layer whose output rows are
 bit-identical whether a row is computed alone or inside a batch, with its error against an fp64
@@ -47,6 +48,52 @@ def _demo(args) -> int:
     return 0 if alone else 1
 
 
+def _parse_knobs(items: list[str]) -> dict:
+    knobs = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ValueError(f"a knob is NAME=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        knobs[k] = v
+    return knobs
+
+
+def _diagnose(args) -> int:
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from .consistency.diagnose import diagnose, write_report
+    from .engine import SamplingParams
+    from .model import load_model
+    from .model.qwen3 import Qwen3Config
+    from .model.random_init import random_checkpoint
+
+    path = args.model
+    if path is None:  # a random-weight tiny Qwen3, made here
+        path = tempfile.mkdtemp(prefix="minite-diagnose-")
+        random_checkpoint(path, Qwen3Config(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                            max_position_embeddings=512), seed=args.seed)
+    kw = dict(precision=args.precision, backend=args.backend)
+    rollout = load_model(path, knobs=_parse_knobs(args.rollout_knob), **kw)
+    learner = load_model(path, knobs=_parse_knobs(args.learner_knob), **kw)
+    g = torch.Generator().manual_seed(args.seed)
+    vocab = rollout.cfg.vocab_size
+    prompts = [torch.randint(0, vocab, (int(n),), generator=g).tolist()
+               for n in torch.randint(4, 48, (args.prompts,), generator=g)]
+    report = diagnose(rollout, learner, prompts, SamplingParams(max_tokens=args.max_tokens, seed=args.seed),
+                      max_slots=args.slots, max_seq_len=64 + args.max_tokens)
+    print(f"rollout: {args.precision} knobs {_parse_knobs(args.rollout_knob) or 'none'}; "
+          f"learner: knobs {_parse_knobs(args.learner_knob) or 'none'}; {args.prompts} prompts, {args.slots} slots")
+    print(report.table())
+    out = Path(args.out)
+    write_report(report, out)
+    print(f"wrote {out / 'diagnose.json'} and {out / 'diagnose.png'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="minite", description="miniTE: NVFP4 RL with bitwise-consistent engines")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -55,15 +102,31 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--m", type=int, default=64)
     demo.add_argument("--n", type=int, default=256)
     demo.add_argument("--k", type=int, default=512)
+    diag = sub.add_parser("diagnose", help="compare a rollout configuration with a learner configuration, op by op")
+    diag.add_argument("--model", default=None, help="HF checkpoint directory (default: a random tiny Qwen3)")
+    diag.add_argument("--precision", choices=["fp32", "bf16", "nvfp4"], default="nvfp4")
+    diag.add_argument("--backend", choices=["torch", "triton"], default="torch")
+    diag.add_argument("--rollout-knob", action="append", metavar="NAME=VALUE",
+                      help="a misalignment knob for the rollout engine, e.g. matmul=library (repeatable)")
+    diag.add_argument("--learner-knob", action="append", metavar="NAME=VALUE")
+    diag.add_argument("--prompts", type=int, default=8)
+    diag.add_argument("--max-tokens", type=int, default=16)
+    diag.add_argument("--slots", type=int, default=4)
+    diag.add_argument("--seed", type=int, default=0)
+    diag.add_argument("--out", default="runs/diagnose")
     args = ap.parse_args(argv)
-    for name in ("m", "n", "k"):
+    for name in ("m", "n", "k", "prompts", "max_tokens", "slots"):
         if getattr(args, name, 1) <= 0:
-            ap.error(f"--{name} must be positive")
+            ap.error(f"--{name.replace('_', '-')} must be positive")
     if getattr(args, "k", 16) % 16:
         ap.error("--k must be a multiple of 16 (the NVFP4 block size)")
-    if args.cmd == "demo":
-        return _demo(args)
-    return 2
+    try:
+        if args.cmd == "demo":
+            return _demo(args)
+        return _diagnose(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"minite {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

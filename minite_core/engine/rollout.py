@@ -117,8 +117,12 @@ class RolloutEngine:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit the context of {self.max_seq_len} tokens")
         return list(prompt)
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
-        """Complete every prompt (n samples each); results in request order, then sample order."""
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, *,
+                 capture=None) -> list[Completion]:
+        """Complete every prompt (n samples each); results in request order, then sample order.
+
+        `capture((request_index, sample_index), op_name, rows)` receives every op's output rows of each
+        sequence as the engine computes them (prefill rows, then one row per decode step)."""
         if isinstance(params, list):
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
@@ -133,7 +137,7 @@ class RolloutEngine:
                 seed = p.seed if p.seed is not None else int(torch.randint(0, 2**31, ()))
                 gen = torch.Generator().manual_seed((seed * 1_000_003 + s) % 2**63)
                 queue.append(_Seq(prompt, p, gen, r, s))
-        done = self._run(queue)
+        done = self._run(queue, capture)
         done.sort(key=lambda q: (q.request_index, q.sample_index))
         return [Completion(q.prompt, q.tokens, torch.stack(q.logprobs) if q.logprobs else torch.zeros(0),
                            q.finish, self.weight_version, q.request_index, q.sample_index) for q in done]
@@ -148,8 +152,14 @@ class RolloutEngine:
         elif len(seq.tokens) >= seq.params.max_tokens or len(seq.prompt) + len(seq.tokens) >= self.max_seq_len:
             seq.finish = FINISH_LENGTH
 
+    @staticmethod
+    def _capture_rows(capture, seqs: list[_Seq]):
+        if capture is None:
+            return None
+        return lambda name, t: [capture((q.request_index, q.sample_index), name, t[j]) for j, q in enumerate(seqs)]
+
     @torch.no_grad()
-    def _run(self, queue: collections.deque) -> list[_Seq]:
+    def _run(self, queue: collections.deque, capture=None) -> list[_Seq]:
         free = list(range(self.cache.slots))
         running: list[_Seq] = []
         done: list[_Seq] = []
@@ -160,7 +170,8 @@ class RolloutEngine:
                 seq.slot = free.pop(0)
                 ids = torch.tensor([seq.prompt], device=dev)
                 pos = torch.arange(len(seq.prompt), device=dev).view(1, -1)
-                logits = self.model(ids, pos, self.cache, torch.tensor([seq.slot], device=dev))
+                logits = self.model(ids, pos, self.cache, torch.tensor([seq.slot], device=dev),
+                                    capture=self._capture_rows(capture, [seq]))
                 self._append(seq, logits[0, -1])
                 running.append(seq)
             finished = [q for q in running if q.finish]
@@ -173,7 +184,7 @@ class RolloutEngine:
             ids = torch.tensor([[q.tokens[-1]] for q in running], device=dev)
             pos = torch.tensor([[len(q.prompt) + len(q.tokens) - 1] for q in running], device=dev)
             slots = torch.tensor([q.slot for q in running], device=dev)
-            logits = self.model(ids, pos, self.cache, slots)
+            logits = self.model(ids, pos, self.cache, slots, capture=self._capture_rows(capture, running))
             for q, row in zip(running, logits[:, 0]):
                 self._append(q, row)
         return done

@@ -85,6 +85,25 @@ class Qwen3Config:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         return out
 
+    def to_hf(self) -> dict:
+        """The config.json dict HF transformers writes for this model."""
+        moe = self.num_experts > 0
+        out = {
+            "architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
+            "model_type": "qwen3_moe" if moe else "qwen3",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+            "max_position_embeddings": self.max_position_embeddings, "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias, "hidden_act": "silu", "dtype": "bfloat16",
+        }
+        if moe:
+            out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                       decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers))
+        return out
+
     def is_moe_layer(self, i: int) -> bool:
         return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
@@ -215,9 +234,12 @@ class Qwen3:
         cfg = self.cfg
         b, t = input_ids.shape
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        emit = capture or (lambda name, value: None)
-        x = self.w["model.embed_tokens.weight"][input_ids].to(self.dtype)
-        emit("embed", x)
+        def emit(name, value):  # hand every op's output [B, T, features] to `capture`, if any
+            if capture is not None:
+                capture(name, value)
+            return value
+
+        x = emit("embed", self.w["model.embed_tokens.weight"][input_ids].to(self.dtype))
         cos, sin = self.rope(positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         if cache is None:
@@ -225,38 +247,37 @@ class Qwen3:
         else:
             kv_len = positions[:, -1] + 1
         for i in range(cfg.num_hidden_layers):
-            p = f"model.layers.{i}."
-            h = self.norm(x, p + "input_layernorm")
-            q = self.norm(self.linear(h, p + "self_attn.q_proj").view(b, t, hq, d), p + "self_attn.q_norm").transpose(1, 2)
-            k = self.norm(self.linear(h, p + "self_attn.k_proj").view(b, t, hkv, d), p + "self_attn.k_norm").transpose(1, 2)
-            v = self.linear(h, p + "self_attn.v_proj").view(b, t, hkv, d).transpose(1, 2)
-            emit(f"layers.{i}.qkv_proj", torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1))
+            p, n = f"model.layers.{i}.", f"layers.{i}."
+            h = emit(n + "input_norm", self.norm(x, p + "input_layernorm"))
+            q = emit(n + "q_proj", self.linear(h, p + "self_attn.q_proj"))
+            k = emit(n + "k_proj", self.linear(h, p + "self_attn.k_proj"))
+            v = emit(n + "v_proj", self.linear(h, p + "self_attn.v_proj"))
+            q = emit(n + "q_norm", self.norm(q.view(b, t, hq, d), p + "self_attn.q_norm").flatten(2))
+            k = emit(n + "k_norm", self.norm(k.view(b, t, hkv, d), p + "self_attn.k_norm").flatten(2))
+            q, k, v = (z.view(b, t, -1, d).transpose(1, 2) for z in (q, k, v))
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
+            emit(n + "rope", torch.cat([q, k], 1).transpose(1, 2).flatten(2))
             if cache is not None:
-                idx = positions.unsqueeze(1).unsqueeze(-1).expand(b, hkv, t, d)
-                ck, cv = cache.k[i][slots], cache.v[i][slots]
                 if self.cache_dtype != self.dtype:  # knob: the cache holds values rounded to another dtype
                     k, v = k.to(self.cache_dtype).to(self.dtype), v.to(self.cache_dtype).to(self.dtype)
+                idx = positions.unsqueeze(1).unsqueeze(-1).expand(b, hkv, t, d)
+                ck, cv = cache.k[i][slots], cache.v[i][slots]
                 ck.scatter_(2, idx, k)
                 cv.scatter_(2, idx, v)
                 cache.k[i][slots], cache.v[i][slots] = ck, cv
                 k, v = ck, cv
             if self.knobs.get("attention") == "sdpa":
-                a = ops.sdpa_attention(q, k, v, positions, kv_len).to(self.dtype)
+                a = ops.sdpa_attention(q, k, v, positions, kv_len)
             else:
-                a = ops.attention(q, k, v, positions, kv_len, backend=self.backend).to(self.dtype)
-            emit(f"layers.{i}.attention", a)
-            x = x + self.linear(a.transpose(1, 2).reshape(b, t, hq * d), p + "self_attn.o_proj")
-            emit(f"layers.{i}.o_proj", x)
-            h = self.norm(x, p + "post_attention_layernorm")
-            x = x + (self.moe(h, p + "mlp.") if cfg.is_moe_layer(i) else self.mlp(h, p + "mlp."))
-            emit(f"layers.{i}.mlp", x)
-        x = self.norm(x, "model.norm")
+                a = ops.attention(q, k, v, positions, kv_len, backend=self.backend)
+            a = emit(n + "attention", a.to(self.dtype).transpose(1, 2).reshape(b, t, hq * d))
+            x = x + emit(n + "o_proj", self.linear(a, p + "self_attn.o_proj"))
+            h = emit(n + "post_norm", self.norm(x, p + "post_attention_layernorm"))
+            x = x + emit(n + "mlp", self.moe(h, p + "mlp.") if cfg.is_moe_layer(i) else self.mlp(h, p + "mlp."))
+        x = emit("final_norm", self.norm(x, "model.norm"))
         head = "model.embed_tokens" if cfg.tie_word_embeddings else "lm_head"
-        logits = self.linear(x, head).float()
-        emit("lm_head", logits)
-        return logits
+        return emit("lm_head", self.linear(x, head).float())
 
     __call__ = forward
 
