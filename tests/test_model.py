@@ -93,6 +93,29 @@ def test_nvfp4_quantizes_the_linear_layers_only(dense_dir):
     assert ((q - fp32).norm() / fp32.norm()).item() < 0.2
 
 
+def test_sharded_checkpoint_and_tokenizer(tmp_path, dense_dir):
+    from tokenizers import Tokenizer, models
+
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(dense_dir)
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    ids = torch.arange(12).view(2, 6)
+    assert torch.equal(load_model(tmp_path, precision="fp32")(ids), load_model(dense_dir, precision="fp32")(ids))
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(90)}, unk_token="t0")).save(str(tmp_path / "tokenizer.json"))
+    assert load_model(tmp_path).tokenizer.get_vocab_size() == 90
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(200)}, unk_token="t0")).save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ValueError, match="tokenizer has 200 tokens"):
+        load_model(tmp_path)
+
+
+def test_bad_input_ids(dense_dir):
+    model = load_model(dense_dir)
+    with pytest.raises(ValueError, match="token ids"):
+        model(torch.tensor([[1, 96]]))
+    with pytest.raises(ValueError, match="integer tensor"):
+        model(torch.zeros(2, 3))
+
+
 def test_loading_errors(tmp_path, dense_dir):
     import shutil
 

@@ -228,11 +228,18 @@ class Qwen3:
         return out.view_as(x)
 
     # -- forward --------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None,
                 slots: torch.Tensor | None = None, capture=None) -> torch.Tensor:
-        """input_ids, positions [B, T] -> logits [B, T, V] (fp32). `capture(name, tensor)` sees every op's output."""
+        """input_ids, positions [B, T] (default 0..T-1) -> logits [B, T, V] (fp32).
+        `capture(name, tensor)` sees every op's output."""
         cfg = self.cfg
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError("input_ids must be an integer tensor [B, T]")
         b, t = input_ids.shape
+        if positions is None:
+            positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        if t and (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
+            raise ValueError(f"token ids must be in [0, {cfg.vocab_size})")
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         def emit(name, value):  # hand every op's output [B, T, features] to `capture`, if any
             if capture is not None:
@@ -282,9 +289,8 @@ class Qwen3:
     __call__ = forward
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """model(input_ids) -> logits for a [B, T] batch of full sequences."""
-        b, t = input_ids.shape
-        return self.forward(input_ids, torch.arange(t, device=input_ids.device).expand(b, t))
+        """Logits [B, T, V] of a [B, T] batch of full sequences (the same as model(input_ids))."""
+        return self.forward(input_ids)
 
     def linear_weights(self) -> list[str]:
         """Names of the weights of the linear layers that NVFP4 precision quantizes (not embeddings,
