@@ -39,7 +39,7 @@ def _same_bits(a, b):
 @pytest.mark.skipif(not HAS_CUDA and not __import__("conftest").HAS_TRITON, reason="triton missing")
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows,k", [(1, 16), (7, 48), (37, 272), (130, 64)])
+@pytest.mark.parametrize("rows,k", [(1, 16), (7, 48), (37, 272), (130, 64), (2, 8208)])
 @pytest.mark.parametrize("mode", ["row", "tensor"])
 def test_triton_quantize_is_bit_exact_with_torch(dtype, rows, k, mode):
     x = _rand(rows, k, seed=rows + k, dtype=dtype)
