@@ -42,6 +42,7 @@ def tile_config_check(n: int, k: int) -> dict:
     w = nvfp4.quantize(torch.randn(n, k, device="cuda", generator=g) * 0.02, scale_mode="tensor")
     x = torch.randn(4096, k, device="cuda", generator=g, dtype=torch.bfloat16)
     xq = quantize_triton(x, None)
+    default = gemm_mod.SMALL_M_TILES
     gemm_mod.SMALL_M_TILES = False
     big = gemm_mod.gemm_triton(xq, w, None, torch.bfloat16)
     same_tiles, invariant = True, True
@@ -51,8 +52,10 @@ def tile_config_check(n: int, k: int) -> dict:
         small = gemm_mod.gemm_triton(rows, w, None, torch.bfloat16)
         gemm_mod.SMALL_M_TILES = False
         same_tiles &= torch.equal(small, big[lo:lo + 16])
+        gemm_mod.SMALL_M_TILES = default
         one = ops.linear(x[lo:lo + 1], w, backend="triton")
         invariant &= torch.equal(one, ops.linear(x[: lo + 300], w, backend="triton")[lo:lo + 1])
+    gemm_mod.SMALL_M_TILES = default
     return {"small_tiles_same_bits": bool(same_tiles), "invariant": bool(invariant)}
 
 
@@ -79,10 +82,10 @@ def run(quick: bool) -> list[dict]:
             r["naive-deq"] = bench(lambda: torch.matmul(x, wq.dequantize(torch.bfloat16).T))
             r["minite-w4a4"] = bench(lambda: ops.linear(x, wq, backend="triton", check_finite=False))
             r["minite-gemm"] = bench(lambda: gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16))
-            if m <= 16:
-                gemm_mod.SMALL_M_TILES = True
-                r["minite-gemm-small-tiles"] = bench(lambda: gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16))
+            if m <= 16:  # the wide tiles, for comparison
                 gemm_mod.SMALL_M_TILES = False
+                r["minite-gemm-wide-tiles"] = bench(lambda: gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16))
+                gemm_mod.SMALL_M_TILES = True
             rows.append(r)
             print(json.dumps(r), flush=True)
     return rows
@@ -153,11 +156,11 @@ def main():
     def us(v):
         return f"{v * 1e6:9.1f}" if v else "      n/a"
 
-    print("\n   N     K     M | cuBLAS bf16 | fp8 mm | naive deq | minite w4a4 | gemm only | small tiles | w4a4 vs bf16 | TFLOP/s w4a4 (bf16)")
+    print("\n   N     K     M | cuBLAS bf16 | fp8 mm | naive deq | minite w4a4 | gemm only | wide tiles  | w4a4 vs bf16 | TFLOP/s w4a4 (bf16)")
     for r in rows:
         flop = 2 * r["M"] * r["N"] * r["K"]
         print(f"{r['N']:5d} {r['K']:5d} {r['M']:5d} | {us(r['cublas-bf16'])}us | {us(r['fp8-scaled-mm'])} | {us(r['naive-deq'])} |"
-              f" {us(r['minite-w4a4'])}   | {us(r['minite-gemm'])} | {us(r.get('minite-gemm-small-tiles'))}   |"
+              f" {us(r['minite-w4a4'])}   | {us(r['minite-gemm'])} | {us(r.get('minite-gemm-wide-tiles'))}   |"
               f" {r['cublas-bf16'] / r['minite-w4a4']:6.2f}x      | {flop / r['minite-w4a4'] / 1e12:7.1f} ({flop / r['cublas-bf16'] / 1e12:6.1f})")
     print(f"\nquantize 8192x4096 bf16: {qbw['quantize_GBps']:.0f} GB/s vs copy {qbw['copy_GBps']:.0f} GB/s = {qbw['ratio']:.2f}")
 

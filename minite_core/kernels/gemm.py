@@ -151,7 +151,8 @@ def gemm_config(m: int, n: int, k: int, fp4: bool) -> dict:
     if fp4 and CONFIG_OVERRIDE:
         return dict(CONFIG_OVERRIDE)
     if fp4:
-        cfg = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
+        # 128x256 tiles for wide layers; 128x128 when N is small, so more programs fill the GPU
+        cfg = dict(BLOCK_M=128, BLOCK_N=256 if n >= 4096 else 128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
         if SMALL_M_TILES and m <= 16:
             cfg.update(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4, SWAP_AB=True)
         return cfg

@@ -1,9 +1,8 @@
 """Fused NVFP4 activation quantize (Triton): fp32/bf16/fp16 rows -> packed E2M1 + E4M3 scales + global scale.
 
-One program takes one row. In row mode it reduces the row's amax (a row-local max, so the result
-cannot depend on the batch) and writes the row's global scale amax / 2688; a row of up to 8192
-elements is held in registers and read once, a longer one is read twice (amax, then quantize) in
-[64, 16] tiles. Per 16-element block it computes the block scale and the codes exactly as
+One program takes one row. In row mode it first reduces the row's amax (a row-local max, so the
+result cannot depend on the batch) and writes the row's global scale amax / 2688; then it walks K in
+chunks of NB blocks held as an [NB, 16] tile and, per 16-element block, computes the block scale and the codes exactly as
 `minite_core.nvfp4.quantize` does: every division is IEEE round-to-nearest (`tl.div_rn`; a plain `/`
 may lower to an approximate division on the GPU), the E4M3 rounding of the block scale is done on the
 fp32 bits (no reliance on the target's fp8 conversion), and E2M1 rounding counts thresholds with ties
@@ -49,66 +48,48 @@ def e2m1_round(v):
 
 
 @triton.jit
-def _load_chunk(x_row, k0, offs16, K, EVEN_K: tl.constexpr):
-    if EVEN_K:  # no mask, so the loads vectorize
-        return tl.load(x_row + k0 + offs16).to(tl.float32)
-    return tl.load(x_row + k0 + offs16, mask=(k0 + offs16) < K, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _quantize_chunk(x, gs, inv_gs, data_row, scale_row, k0, K, NB: tl.constexpr, EVEN_K: tl.constexpr):
-    """Quantize and store one [NB, 16] tile of a row (NB blocks starting at element k0)."""
-    blk = tl.arange(0, NB)
-    bamax = tl.max(tl.abs(x), axis=1)
-    s = tl.div_rn(tl.div_rn(bamax, _E2M1_MAX), gs + tl.zeros_like(bamax))
-    s = tl.minimum(tl.maximum(s, _E4M3_MIN), _E4M3_MAX)
-    s_code, s32 = e4m3_round_bits(s)
-    v = x * tl.div_rn(inv_gs, s32)[:, None]
-    v = tl.minimum(tl.maximum(v, -_E2M1_MAX), _E2M1_MAX)
-    even, odd = tl.split(tl.reshape(e2m1_round(v), [NB, 8, 2]))
-    offs8 = blk[:, None] * 8 + tl.arange(0, 8)[None, :]
-    if EVEN_K:
-        tl.store(data_row + k0 // 2 + offs8, even | (odd << 4))
-        tl.store(scale_row + k0 // 16 + blk, s_code)
-    else:
-        tl.store(data_row + k0 // 2 + offs8, even | (odd << 4), mask=(k0 // 2 + offs8) < K // 2)
-        tl.store(scale_row + k0 // 16 + blk, s_code, mask=(k0 // 16 + blk) < K // 16)
-
-
-@triton.jit
 def _quantize_kernel(
     x_ptr, data_ptr, scale_ptr, gs_ptr,
     K, stride_x, stride_data, stride_scale, stride_gs,
-    ROW_GS: tl.constexpr, NB: tl.constexpr, EVEN_K: tl.constexpr, ONE_TILE: tl.constexpr,
+    ROW_GS: tl.constexpr, NB: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    """One program per row, walked in [NB, 16] tiles. ONE_TILE: the row fits one tile and is read once;
-    otherwise a first pass reduces the row amax and a second pass quantizes."""
+    """One program per row; the row is walked in chunks of NB blocks, held as an [NB, 16] tile."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
-    data_row = data_ptr + row * stride_data
-    scale_row = scale_ptr + row * stride_scale
-    offs16 = tl.arange(0, NB)[:, None] * 16 + tl.arange(0, 16)[None, :]
-    ones = tl.zeros([NB], dtype=tl.float32) + 1.0
-    if ONE_TILE:
-        x = _load_chunk(x_row, 0, offs16, K, EVEN_K)
-        if ROW_GS:
-            gs = tl.maximum(tl.div_rn(tl.max(tl.max(tl.abs(x), axis=1), axis=0), _GS_DIV), _GS_MIN)
-            tl.store(gs_ptr + row * stride_gs, gs)
-        else:
-            gs = tl.load(gs_ptr + row * stride_gs)
-        _quantize_chunk(x, gs, tl.div_rn(ones, gs * ones), data_row, scale_row, 0, K, NB, EVEN_K)
-    else:
-        if ROW_GS:
-            amax = tl.zeros([NB], dtype=tl.float32)
-            for k0 in range(0, K, NB * 16):
-                amax = tl.maximum(amax, tl.max(tl.abs(_load_chunk(x_row, k0, offs16, K, EVEN_K)), axis=1))
-            gs = tl.maximum(tl.div_rn(tl.max(amax, axis=0), _GS_DIV), _GS_MIN)
-            tl.store(gs_ptr + row * stride_gs, gs)
-        else:
-            gs = tl.load(gs_ptr + row * stride_gs)
-        inv_gs = tl.div_rn(ones, gs * ones)
+    blk = tl.arange(0, NB)
+    offs16 = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
+    if ROW_GS:
+        amax = tl.zeros([NB], dtype=tl.float32)
         for k0 in range(0, K, NB * 16):
-            _quantize_chunk(_load_chunk(x_row, k0, offs16, K, EVEN_K), gs, inv_gs, data_row, scale_row, k0, K, NB, EVEN_K)
+            if EVEN_K:  # no mask, so loads vectorize
+                x = tl.load(x_row + k0 + offs16).to(tl.float32)
+            else:
+                x = tl.load(x_row + k0 + offs16, mask=(k0 + offs16) < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        gs = tl.maximum(tl.div_rn(tl.max(amax, axis=0), _GS_DIV), _GS_MIN)
+        tl.store(gs_ptr + row * stride_gs, gs)
+    else:
+        gs = tl.load(gs_ptr + row * stride_gs)
+    inv_gs = tl.div_rn(tl.zeros([NB], dtype=tl.float32) + 1.0, gs + tl.zeros([NB], dtype=tl.float32))
+    for k0 in range(0, K, NB * 16):
+        if EVEN_K:
+            x = tl.load(x_row + k0 + offs16).to(tl.float32)
+        else:
+            x = tl.load(x_row + k0 + offs16, mask=(k0 + offs16) < K, other=0.0).to(tl.float32)
+        bamax = tl.max(tl.abs(x), axis=1)
+        s = tl.div_rn(tl.div_rn(bamax, _E2M1_MAX), gs + tl.zeros_like(bamax))
+        s = tl.minimum(tl.maximum(s, _E4M3_MIN), _E4M3_MAX)
+        s_code, s32 = e4m3_round_bits(s)
+        v = x * tl.div_rn(inv_gs, s32)[:, None]
+        v = tl.minimum(tl.maximum(v, -_E2M1_MAX), _E2M1_MAX)
+        even, odd = tl.split(tl.reshape(e2m1_round(v), [NB, 8, 2]))
+        offs8 = blk[:, None] * 8 + tl.arange(0, 8)[None, :]
+        if EVEN_K:
+            tl.store(data_ptr + row * stride_data + k0 // 2 + offs8, even | (odd << 4))
+            tl.store(scale_ptr + row * stride_scale + k0 // 16 + blk, s_code)
+        else:
+            tl.store(data_ptr + row * stride_data + k0 // 2 + offs8, even | (odd << 4), mask=(k0 // 2 + offs8) < K // 2)
+            tl.store(scale_ptr + row * stride_scale + k0 // 16 + blk, s_code, mask=(k0 // 16 + blk) < K // 16)
 
 
 def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None) -> NVFP4Tensor:
@@ -127,15 +108,11 @@ def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None) -> NVFP4
     else:
         gs = global_scale.reshape(-1).contiguous()
         stride_gs = 0 if gs.numel() == 1 else 1
-    nb = triton.next_power_of_2(k // BLOCK)
-    one_tile = nb <= 512  # rows up to 8192 elements are held in registers and read once
-    if not one_tile:
-        nb = 64
+    nb = min(64, triton.next_power_of_2(k // BLOCK))
     if r:
         _quantize_kernel[(r,)](
             x2, data, scale, gs, k, x2.stride(0), data.stride(0), scale.stride(0), stride_gs,
-            ROW_GS=global_scale is None, NB=nb, EVEN_K=k % (nb * BLOCK) == 0, ONE_TILE=one_tile,
-            num_warps=8 if nb >= 256 else 4,
+            ROW_GS=global_scale is None, NB=nb, EVEN_K=k % (nb * BLOCK) == 0, num_warps=4,
         )
     lead = tuple(shape[:-1])
     out_gs = gs.reshape(lead + (1,)) if global_scale is None else global_scale
