@@ -56,6 +56,15 @@ _E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_VALUES = torch.tensor(_E2M1_MAGNITUDES + tuple(-v for v in _E2M1_MAGNITUDES), dtype=torch.float32)
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LUTS: dict = {}
+
+
+def e2m1_values(device) -> torch.Tensor:
+    """E2M1_VALUES on `device`, copied once (no host-to-device copy per call, so CUDA graphs can capture)."""
+    device = torch.device(device)
+    if device not in _LUTS:
+        _LUTS[device] = E2M1_VALUES.to(device)
+    return _LUTS[device]
 
 
 @dataclasses.dataclass
@@ -171,7 +180,7 @@ def round_e2m1_stochastic(v: torch.Tensor, generator: torch.Generator | None = N
         + (a >= 2.0).to(torch.uint8) + (a >= 3.0).to(torch.uint8) + (a >= 4.0).to(torch.uint8)
         + (a >= 6.0).to(torch.uint8)
     )
-    mags = E2M1_VALUES[:8].to(v.device)
+    mags = e2m1_values(v.device)[:8]
     lo = mags[lo_code.long()]
     hi = mags[torch.clamp_max(lo_code + 1, 7).long()]
     p = torch.where(hi > lo, (a - lo) / (hi - lo), torch.zeros_like(a))
@@ -263,7 +272,7 @@ def quantize(
         gsb = gs_rows.unsqueeze(-1) if gs_rows.dim() else gs_rows
 
         def sq_err(s, c):
-            deq = (E2M1_VALUES.to(x.device)[c.long()] * s.float().unsqueeze(-1)) * gsb
+            deq = (e2m1_values(x.device)[c.long()] * s.float().unsqueeze(-1)) * gsb
             return (deq - blocks).square().sum(-1)
 
         use4 = sq_err(scale4, codes4) < sq_err(scale, codes)
@@ -278,7 +287,7 @@ def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     """Decode to `dtype`: (code * block_scale) is exact in fp32, then one rounding for * global_scale."""
     k = t.shape[-1]
     codes = unpack_codes(t.data)
-    vals = E2M1_VALUES.to(t.device)[codes.long()].view(*t.shape[:-1], k // BLOCK, BLOCK)
+    vals = e2m1_values(t.device)[codes.long()].view(*t.shape[:-1], k // BLOCK, BLOCK)
     vals = vals * t.scale.float().unsqueeze(-1)
     gs = t.global_scale.unsqueeze(-1) if t.global_scale.dim() else t.global_scale
     return (vals * gs).reshape(t.shape).to(dtype)
@@ -288,7 +297,7 @@ def dequantize_unscaled(t: NVFP4Tensor) -> torch.Tensor:
     """code * block_scale in fp32 (exact; no global scale): the operand the GEMMs multiply."""
     k = t.shape[-1]
     codes = unpack_codes(t.data)
-    vals = E2M1_VALUES.to(t.device)[codes.long()].view(*t.shape[:-1], k // BLOCK, BLOCK)
+    vals = e2m1_values(t.device)[codes.long()].view(*t.shape[:-1], k // BLOCK, BLOCK)
     return (vals * t.scale.float().unsqueeze(-1)).reshape(t.shape)
 
 
