@@ -111,3 +111,20 @@ def test_bad_requests_are_rejected(ckpt):
         engine.generate([[1, 96]])
     with pytest.raises(ValueError, match="non-empty"):
         Learner(model).logprobs([1, 2], [])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "nvfp4"])
+def test_learner_logprobs_are_differentiable(ckpt, precision):
+    """The learner path is the training path: gradients reach the plain weights (and, through the
+    straight-through NVFP4 linears, the activations and the bf16 embeddings/norms)."""
+    model = load_model(ckpt, precision=precision)
+    train = {n: w for n, w in model.w.items() if isinstance(w, torch.Tensor) and w.is_floating_point()}
+    for w in train.values():
+        w.requires_grad_(True)
+    lp = Learner(model).logprobs([3, 4, 5, 6], [7, 8, 9])
+    assert lp.shape == (3,) and lp.requires_grad
+    lp.sum().backward()
+    assert train["model.embed_tokens.weight"].grad is not None
+    assert train["model.layers.0.input_layernorm.weight"].grad.abs().sum() > 0
+    if precision == "fp32":
+        assert train["model.layers.0.self_attn.q_proj.weight"].grad.abs().sum() > 0
