@@ -268,12 +268,10 @@ class Qwen3:
             if cache is not None:
                 if self.cache_dtype != self.dtype:  # knob: the cache holds values rounded to another dtype
                     k, v = k.to(self.cache_dtype).to(self.dtype), v.to(self.cache_dtype).to(self.dtype)
-                idx = positions.unsqueeze(1).unsqueeze(-1).expand(b, hkv, t, d)
-                ck, cv = cache.k[i][slots], cache.v[i][slots]
-                ck.scatter_(2, idx, k)
-                cv.scatter_(2, idx, v)
-                cache.k[i][slots], cache.v[i][slots] = ck, cv
-                k, v = ck, cv
+                rows = slots.view(-1, 1).expand(b, t)  # write the new keys/values in place, then attend
+                cache.k[i][rows, :, positions] = k.transpose(1, 2)
+                cache.v[i][rows, :, positions] = v.transpose(1, 2)
+                k, v = cache.k[i][slots], cache.v[i][slots]
             if self.knobs.get("attention") == "sdpa":
                 a = ops.sdpa_attention(q, k, v, positions, kv_len)
             else:
