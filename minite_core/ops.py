@@ -109,12 +109,50 @@ def _gemm(x2: torch.Tensor, w, bias, out_dtype, backend: str, scale_mode: str) -
     return gemm_triton(x2.to(w.dtype).contiguous(), w.contiguous(), bias, out_dtype)
 
 
+BACKWARDS = ("ste", "nvfp4")
+
+
+def _pad_rows16(t: torch.Tensor) -> torch.Tensor:
+    """Zero-pad the last dimension to a multiple of 16 (zeros add nothing to the sums over it)."""
+    pad = (-t.shape[-1]) % 16
+    return torch.nn.functional.pad(t, (0, pad)) if pad else t
+
+
+def _backward_ste(g2: torch.Tensor, x2: torch.Tensor, w, scale_mode: str):
+    """Straight-through on the dequantized operands, bf16-rounded, fp32 accumulation (NeMo-RL/TE's
+    "dequantized" backward): dgrad = g @ deq(W), wgrad = g.T @ deq(Q(x))."""
+    gb = g2.to(torch.bfloat16).float()
+    if isinstance(w, NVFP4Tensor):
+        wd = w.dequantize(torch.bfloat16).float()
+        xd = nvfp4.quantize(x2, scale_mode=scale_mode, check_finite=False).dequantize(torch.bfloat16).float()
+    else:
+        wd, xd = w.float(), x2.float()
+    return gb @ wd, gb.T @ xd
+
+
+def _backward_nvfp4(g2: torch.Tensor, x2: torch.Tensor, w: NVFP4Tensor, scale_mode: str):
+    """NVIDIA's NVFP4 training recipe: gradients quantized to NVFP4 with stochastic rounding; dgrad
+    against the same (2-D block scaled) weight; wgrad with a random Hadamard transform along the token
+    dimension on both operands, so the rotation cancels in the product."""
+    wt = w.dequantize(torch.float32).T.contiguous()  # [K, N]: valid for dgrad when w was quantized block_2d
+    wq_t = nvfp4.quantize(wt, scale_mode="tensor", check_finite=False)
+    gq = nvfp4.quantize(g2, rounding="stochastic", check_finite=False)
+    grad_x = reference.mm_nvfp4(gq, wq_t)
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    gt = nvfp4.rht(_pad_rows16(g2.T.contiguous()), seed)  # [N, M16]
+    xt = nvfp4.rht(_pad_rows16(x2.float().T.contiguous()), seed)  # [K, M16]
+    grad_w = reference.mm_nvfp4(nvfp4.quantize(gt, rounding="stochastic", check_finite=False),
+                                nvfp4.quantize(xt, check_finite=False))
+    return grad_x, grad_w
+
+
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w_tensor, bias, w, out_dtype, backend, scale_mode):
-        # w_tensor is w itself for plain weights (so autograd tracks it) and None for NVFP4 weights.
+    def forward(ctx, x, w_tensor, bias, w, out_dtype, backend, scale_mode, bwd):
+        # w_tensor receives the weight gradient: w itself for plain weights, the high-precision master an
+        # NVFP4 weight was quantized from (training), or None (no weight gradient).
         ctx.save_for_backward(x, w_tensor)
-        ctx.w = w
+        ctx.w, ctx.scale_mode, ctx.bwd = w, scale_mode, bwd
         ctx.has_bias = bias is not None
         x2 = x.reshape(-1, x.shape[-1])
         return _gemm(x2, w, bias, out_dtype, backend, scale_mode).reshape(*x.shape[:-1], w.shape[0])
@@ -122,15 +160,16 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, w_tensor = ctx.saved_tensors
-        w = ctx.w
-        wd = w.dequantize(torch.float32) if isinstance(w, NVFP4Tensor) else w.float()
         g2 = grad_out.reshape(-1, grad_out.shape[-1]).float()
-        grad_x = (g2 @ wd).reshape(x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None
-        grad_w = None
-        if w_tensor is not None and ctx.needs_input_grad[1]:
-            grad_w = (g2.T @ x.reshape(-1, x.shape[-1]).float()).to(w_tensor.dtype)
+        x2 = x.reshape(-1, x.shape[-1])
+        if ctx.bwd == "nvfp4" and isinstance(ctx.w, NVFP4Tensor):
+            grad_x, grad_w = _backward_nvfp4(g2, x2, ctx.w, ctx.scale_mode)
+        else:
+            grad_x, grad_w = _backward_ste(g2, x2, ctx.w, ctx.scale_mode)
+        grad_x = grad_x.reshape(x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = grad_w.to(w_tensor.dtype) if w_tensor is not None and ctx.needs_input_grad[1] else None
         grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 def linear(
@@ -142,12 +181,16 @@ def linear(
     scale_mode: str = "row",
     backend: str | None = None,
     check_finite: bool = True,
+    master: torch.Tensor | None = None,
+    backward: str = "ste",
 ) -> torch.Tensor:
     """x [..., K] @ w.T (+ bias) with fp32 accumulation, batch-invariant.
 
     w is an NVFP4Tensor [N, K] (W4A4: x is quantized per row inside, or per tensor with
     scale_mode="tensor") or a plain float tensor [N, K] (x is cast to w's dtype). Output dtype
-    defaults to x's.
+    defaults to x's. For training, `master` is the high-precision tensor an NVFP4 `w` was quantized
+    from: it receives the weight gradient, computed by `backward` = "ste" (straight-through on the
+    dequantized operands in bf16) or "nvfp4" (NVIDIA's recipe: stochastic rounding, RHT on wgrad).
     """
     backend = resolve_backend(backend)
     _check_linear(x, w, bias)
@@ -155,9 +198,13 @@ def linear(
         raise ValueError("x contains NaN or Inf values")
     if scale_mode not in ("row", "tensor"):
         raise ValueError(f"scale_mode must be 'row' or 'tensor', got {scale_mode!r}")
+    if backward not in BACKWARDS:
+        raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
+    if master is not None and tuple(master.shape) != tuple(w.shape):
+        raise ValueError(f"master weight has shape {tuple(master.shape)}, but w is {tuple(w.shape)}")
     out_dtype = out_dtype or x.dtype
-    w_tensor = None if isinstance(w, NVFP4Tensor) else w
-    return _Linear.apply(x, w_tensor, bias, w, out_dtype, backend, scale_mode)
+    w_tensor = master if isinstance(w, NVFP4Tensor) else w
+    return _Linear.apply(x, w_tensor, bias, w, out_dtype, backend, scale_mode, backward)
 
 
 # ------------------------------------------------------------------------------- row-local ops

@@ -175,23 +175,47 @@ def test_linear_empty_batch(backend):
 
 
 def test_linear_backward_is_straight_through():
+    """Default backward: dgrad = g @ deq(W), wgrad = g.T @ deq(Q(x)), operands rounded to bf16."""
     w_hp = _rand(24, 64, seed=13) * 0.1
     wq = nvfp4.quantize(w_hp, scale_mode="tensor")
     x = _rand(6, 64, seed=14).requires_grad_(True)
     bias = _rand(24, seed=15).requires_grad_(True)
-    y = ops.linear(x, wq, bias)
+    master = w_hp.clone().requires_grad_(True)
     g = _rand(6, 24, seed=16)
-    y.backward(g)
-    assert torch.allclose(x.grad, g @ wq.dequantize(), rtol=1e-5, atol=1e-6)
+    ops.linear(x, wq, bias, master=master).backward(g)
+    gb = g.to(torch.bfloat16).double()
+    assert torch.allclose(x.grad.double(), gb @ wq.dequantize(torch.bfloat16).double(), rtol=1e-5, atol=1e-5)
+    xq = nvfp4.quantize(x.detach()).dequantize(torch.bfloat16).double()
+    assert torch.allclose(master.grad.double(), gb.T @ xq, rtol=1e-5, atol=1e-5)
     assert torch.allclose(bias.grad, g.sum(0), rtol=1e-5, atol=1e-6)
+    wq_no_master = ops.linear(x.detach().requires_grad_(True), wq)  # no master: no weight gradient, no error
+    wq_no_master.sum().backward()
 
-    wp = w_hp.clone().requires_grad_(True)
-    x2 = x.detach().clone().requires_grad_(True)
-    ops.linear(x2, wp).backward(g)
-    xr, wr = x.detach().clone().requires_grad_(True), w_hp.clone().requires_grad_(True)
-    torch.nn.functional.linear(xr, wr).backward(g)
-    assert torch.allclose(wp.grad, wr.grad, rtol=1e-5, atol=1e-6)
-    assert torch.allclose(x2.grad, xr.grad, rtol=1e-5, atol=1e-6)
+
+@pytest.mark.parametrize("backward,tol", [("ste", 0.12), ("nvfp4", 0.35)])
+def test_training_gradients_against_fp32_autograd(backward, tol):
+    """Gradients of a W4A4 linear vs fp32 autograd of F.linear on the master weight. Tolerances (relative
+    L2 error): STE 0.12 (the forward's quantization of W and x is all that differs); the NVFP4 recipe
+    0.35 (gradients are themselves quantized to NVFP4, with stochastic rounding)."""
+    torch.manual_seed(0)
+    m, n, k = 48, 32, 64
+    w = (_rand(n, k, seed=17) * 0.1).requires_grad_(True)
+    x = _rand(m, k, seed=18).requires_grad_(True)
+    g = _rand(m, n, seed=19)
+    torch.nn.functional.linear(x, w).backward(g)
+    ref_x, ref_w = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    wq = nvfp4.quantize(w.detach(), scale_mode="tensor", block_2d=backward == "nvfp4")
+    ops.linear(x, wq, master=w, backward=backward).backward(g)
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    assert rel(x.grad, ref_x) < tol and rel(w.grad, ref_w) < tol, (rel(x.grad, ref_x), rel(w.grad, ref_w))
+    if backward == "nvfp4":  # stochastic rounding is unbiased: the mean over draws approaches STE's
+        mean_w = torch.zeros_like(w)
+        for _ in range(64):
+            w.grad = None
+            ops.linear(x.detach(), wq, master=w, backward="nvfp4").backward(g)
+            mean_w += w.grad / 64
+        assert rel(mean_w, ref_w) < rel(w.grad, ref_w)
 
 
 # ------------------------------------------------------------------------------------------------ bad input
