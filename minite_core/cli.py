@@ -1,6 +1,7 @@
 """The `minite` command line.
 
     minite demo [--backend torch|triton] [--m M --n N --k K]
+    minite train [--steps N] [--precision nvfp4|bf16] [--backward ste|nvfp4] [--resume] [--run-dir DIR]
     minite diagnose [--model DIR] [--precision nvfp4] [--rollout-knob K=V ...] [--learner-knob K=V ...] [--out DIR]
 
 `demo` shows the core promise on random data: an NVFP4 (W4A4) linear layer whose output rows are
@@ -94,6 +95,34 @@ def _diagnose(args) -> int:
     return 0
 
 
+def _train(args) -> int:
+    from pathlib import Path
+
+    from .rl.grpo import GRPOConfig
+    from .rl.tiny import build_tiny_model
+    from .rl.trainer import TrainConfig, run
+
+    model_dir = Path(args.model_dir)
+    if not (model_dir / "config.json").exists():
+        print(f"building the built-in tiny model in {model_dir} (supervised warm-up, about a minute)")
+        build_tiny_model(model_dir, seed=args.seed)
+    cfg = TrainConfig(model_dir=str(model_dir), run_dir=args.run_dir, precision=args.precision, backward=args.backward,
+                      steps=args.steps, prompts_per_step=args.prompts, seed=args.seed, learning_rate=args.lr,
+                      rollout_knobs=_parse_knobs(args.rollout_knob),
+                      grpo=GRPOConfig(num_generations=args.generations, max_completion_length=4))
+    history = run(cfg, resume=args.resume)
+    first, last = history[0], history[-1]
+    k = min(5, len(history))
+    start = sum(m["reward"] for m in history[:k]) / k
+    end = sum(m["reward"] for m in history[-k:]) / k
+    drift = max(m["sampling/sampling_logp_difference/max"] for m in history)
+    print(f"mean reward over the first {k} steps {start:.3f} -> last {k} steps {end:.3f} "
+          f"(accuracy {first['accuracy']:.2f} -> {last['accuracy']:.2f}); max rollout/learner |Δlogp| {drift:g}; "
+          f"{sum(m['seconds'] for m in history):.0f} s")
+    print(f"metrics: {Path(args.run_dir) / 'metrics.jsonl'}, plot: {Path(args.run_dir) / 'reward_drift.png'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="minite", description="miniTE: NVFP4 RL with bitwise-consistent engines")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -114,8 +143,20 @@ def main(argv: list[str] | None = None) -> int:
     diag.add_argument("--slots", type=int, default=4)
     diag.add_argument("--seed", type=int, default=0)
     diag.add_argument("--out", default="runs/diagnose")
+    train = sub.add_parser("train", help="GRPO on the built-in addition task (builds the tiny model first if needed)")
+    train.add_argument("--model-dir", default="runs/tiny-model")
+    train.add_argument("--run-dir", default="runs/train")
+    train.add_argument("--steps", type=int, default=40)
+    train.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    train.add_argument("--generations", type=int, default=8, help="completions per prompt")
+    train.add_argument("--precision", choices=["nvfp4", "bf16", "fp32"], default="nvfp4")
+    train.add_argument("--backward", choices=["ste", "nvfp4"], default="ste")
+    train.add_argument("--lr", type=float, default=2e-3)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--resume", action="store_true", help="continue from the run directory's checkpoint")
+    train.add_argument("--rollout-knob", action="append", metavar="NAME=VALUE", help="misalign the rollout engine")
     args = ap.parse_args(argv)
-    for name in ("m", "n", "k", "prompts", "max_tokens", "slots"):
+    for name in ("m", "n", "k", "prompts", "max_tokens", "slots", "steps", "generations"):
         if getattr(args, name, 1) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     if getattr(args, "k", 16) % 16:
@@ -123,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "demo":
             return _demo(args)
+        if args.cmd == "train":
+            return _train(args)
         return _diagnose(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"minite {args.cmd}: error: {e}", file=sys.stderr)

@@ -17,8 +17,10 @@ class Learner:
         """Logprobs [len(completion)] of one completion; differentiable when the model's weights require grad."""
         return self.batch_logprobs([prompt_ids], [completion_ids], temperature)[0]
 
-    def batch_logprobs(self, prompts: list, completions: list, temperature: float = 1.0) -> list[torch.Tensor]:
-        """Score many sequences in one right-padded batch; each row's bits do not depend on the batch."""
+    def batch_logprobs(self, prompts: list, completions: list, temperature: float = 1.0, *,
+                       return_entropy: bool = False):
+        """Score many sequences in one right-padded batch; each row's bits do not depend on the batch.
+        With return_entropy, also the entropy of each completion position's full distribution."""
         if len(prompts) != len(completions) or not prompts:
             raise ValueError("need one completion per prompt, and at least one")
         t = temperature if temperature > 0 else 1.0
@@ -33,8 +35,12 @@ class Learner:
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = torch.tensor(s, device=dev)
         logits = self.model.logits(ids)
-        out = []
+        out, ent = [], []
         for i, (p, c) in enumerate(zip(prompts, completions)):
             rows = logits[i, len(p) - 1 : len(p) + len(c) - 1]
             out.append(ops.token_logprobs(rows, torch.tensor(list(c), device=dev), t))
-        return out
+            if return_entropy:
+                with torch.no_grad():
+                    lsm = ops.log_softmax(rows, t)
+                    ent.append(-(torch.exp(lsm) * lsm).sum(-1))
+        return (out, ent) if return_entropy else out

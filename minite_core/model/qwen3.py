@@ -18,6 +18,7 @@ import dataclasses
 import torch
 
 from .. import ops
+from ..nvfp4 import NVFP4Tensor
 from ..reference import tree_sum
 
 ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -185,20 +186,31 @@ class Qwen3:
         self.knobs = check_knobs(knobs or {})
         self.act_scale_mode = self.knobs.get("act_scale", "row")
         self.cache_dtype = _CACHE_DTYPES.get(self.knobs.get("kv_cache_dtype"), dtype)
+        self.masters: dict | None = None  # training: fp32 master weights that receive the gradients
+        self.backward = "ste"  # the NVFP4 linears' backward (ops.linear)
         self.device = weights["model.embed_tokens.weight"].device
         d = cfg.head_dim
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=self.device) / d))
 
     # -- building blocks ------------------------------------------------------------------------
+    def param(self, name: str):
+        """The weight `name` for the forward. While training (`self.masters` set), plain weights are the
+        fp32 masters cast to the model dtype (the same values the rollout holds, with a gradient path)."""
+        w = self.w.get(name)
+        if self.masters is not None and name in self.masters and not isinstance(w, NVFP4Tensor):
+            return self.masters[name].to(self.dtype)
+        return w
+
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        w, bias = self.w[name + ".weight"], self.w.get(name + ".bias")
+        w, bias = self.param(name + ".weight"), self.param(name + ".bias")
         if self.knobs.get("matmul") == "library":
             return ops.library_linear(x, w, bias, out_dtype=self.dtype, scale_mode=self.act_scale_mode)
-        return ops.linear(x, w, bias, out_dtype=self.dtype, backend=self.backend,
-                          scale_mode=self.act_scale_mode, check_finite=False)
+        master = self.masters.get(name + ".weight") if self.masters is not None and isinstance(w, NVFP4Tensor) else None
+        return ops.linear(x, w, bias, out_dtype=self.dtype, backend=self.backend, scale_mode=self.act_scale_mode,
+                          check_finite=False, master=master, backward=self.backward)
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return ops.rms_norm(x, self.w[name + ".weight"], self.cfg.rms_norm_eps, backend=self.backend)
+        return ops.rms_norm(x, self.param(name + ".weight"), self.cfg.rms_norm_eps, backend=self.backend)
 
     def rope(self, positions: torch.Tensor):
         freqs = positions.float().unsqueeze(-1) * self.inv_freq
@@ -246,7 +258,7 @@ class Qwen3:
                 capture(name, value)
             return value
 
-        x = emit("embed", self.w["model.embed_tokens.weight"][input_ids].to(self.dtype))
+        x = emit("embed", self.param("model.embed_tokens.weight")[input_ids].to(self.dtype))
         cos, sin = self.rope(positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         if cache is None:

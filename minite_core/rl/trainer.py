@@ -1,0 +1,235 @@
+"""The RL loop, in process: GRPO on the addition task with the rollout engine and the learner sharing
+one set of weights.
+
+Each step: sample prompts, let the RolloutEngine draw `num_generations` completions per prompt (its
+logprobs recorded), reward them, score them with the Learner (one full-sequence forward with autograd
+through the fp32 master weights), take the GRPO loss with rollout correction, clip the gradient norm,
+AdamW, then re-quantize the masters once into the NVFP4 weights both engines use and bump the weight
+version. Metrics go to metrics.jsonl in the run directory (TRL's names for the sampling drift), and a
+PNG plot of reward and drift is drawn at the end. Checkpoints (safetensors: masters and optimizer
+state; JSON: step, weight version, RNG states, config) make `resume` continue to the same result.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .. import nvfp4
+from ..consistency import drift_stats
+from ..engine import Learner, RolloutEngine, SamplingParams
+from ..model import load_model
+from ..nvfp4 import NVFP4Tensor
+from .grpo import GRPOConfig, group_advantages, grpo_loss
+from .tasks import EOS, AdditionTask
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    model_dir: str = "runs/tiny-model"
+    run_dir: str = "runs/train"
+    precision: str = "nvfp4"
+    backward: str = "ste"
+    steps: int = 40
+    prompts_per_step: int = 16
+    digits: int = 2
+    partial_credit: bool = True
+    learning_rate: float = 2e-3
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    checkpoint_every: int = 10
+    rollout_knobs: dict = dataclasses.field(default_factory=dict)
+    grpo: GRPOConfig = dataclasses.field(default_factory=lambda: GRPOConfig(num_generations=8, max_completion_length=4))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        d = dict(d)
+        d["grpo"] = GRPOConfig(**d.get("grpo", {}))
+        return cls(**d)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        cfg.grpo.validate()
+        if cfg.backward not in ("ste", "nvfp4"):
+            raise ValueError(f"backward must be 'ste' or 'nvfp4', got {cfg.backward!r}")
+        self.cfg = cfg
+        torch.manual_seed(cfg.seed)
+        self.task = AdditionTask(cfg.digits, cfg.partial_credit, seed=cfg.seed)
+        self.policy = load_model(cfg.model_dir, precision=cfg.precision)
+        self.policy.backward = cfg.backward
+        rollout_model = self.policy
+        if cfg.rollout_knobs:  # a misaligned rollout engine over the same weights
+            rollout_model = load_model(cfg.model_dir, precision=cfg.precision, knobs=cfg.rollout_knobs)
+            rollout_model.w = self.policy.w
+        self.engine = RolloutEngine(rollout_model, max_slots=64, max_seq_len=self.policy.cfg.max_position_embeddings)
+        self.learner = Learner(self.policy)
+        fp32 = load_model(cfg.model_dir, precision="fp32")
+        self.masters = {n: t.clone().requires_grad_(True) for n, t in fp32.w.items()}
+        self.opt = torch.optim.AdamW(self.masters.values(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                     betas=(0.9, 0.99))
+        self.step_idx = 0
+        self.version = 0
+        self.sync_weights()
+
+    def sync_weights(self) -> None:
+        """Re-quantize the masters once into the weights both engines use; bump the weight version."""
+        with torch.no_grad():
+            for n, m in self.masters.items():
+                if isinstance(self.policy.w[n], NVFP4Tensor):
+                    self.policy.w[n] = nvfp4.quantize(m.detach(), scale_mode="tensor", block_2d=self.cfg.backward == "nvfp4")
+                else:
+                    self.policy.w[n] = m.detach().to(self.policy.dtype)
+        self.version += 1
+        self.engine.weight_version = self.version
+
+    def step(self) -> dict:
+        cfg, g = self.cfg, self.cfg.grpo
+        t0 = time.perf_counter()
+        problems = [self.task.sample() for _ in range(cfg.prompts_per_step)]
+        prompts = [self.task.prompt_ids(a, b) for a, b in problems]
+        outs = self.engine.generate(prompts, SamplingParams(
+            max_tokens=g.max_completion_length, temperature=g.temperature, n=g.num_generations,
+            seed=cfg.seed * 1_000_003 + self.step_idx, stop_token_ids=(EOS,)))
+        t_rollout = time.perf_counter() - t0
+        rewards = torch.tensor([self.task.reward(*problems[o.request_index], o.token_ids) for o in outs])
+        adv = group_advantages(rewards, g.num_generations, g.scale_rewards)
+
+        self.policy.masters = self.masters
+        try:
+            lps, ents = self.learner.batch_logprobs([o.prompt_ids for o in outs], [o.token_ids for o in outs],
+                                                    g.temperature, return_entropy=True)
+        finally:
+            self.policy.masters = None
+        longest = max(len(o.token_ids) for o in outs)
+        logp_rollout = torch.zeros(len(outs), longest)
+        mask = torch.zeros(len(outs), longest)
+        rows = []
+        for i, (o, lp) in enumerate(zip(outs, lps)):
+            n = len(o.token_ids)
+            rows.append(torch.nn.functional.pad(lp, (0, longest - n)))
+            logp_rollout[i, :n] = o.logprobs
+            mask[i, :n] = 1.0
+        logp = torch.stack(rows)
+        loss, metrics = grpo_loss(logp, logp_rollout, adv, mask, g)
+        self.opt.zero_grad()
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(list(self.masters.values()), cfg.max_grad_norm)
+        self.opt.step()
+        self.sync_weights()
+        self.step_idx += 1
+
+        drift = drift_stats([o.logprobs for o in outs], [lp.detach() for lp in lps])
+        tokens = int(mask.sum())
+        seconds = time.perf_counter() - t0
+        metrics.update({
+            "step": self.step_idx, "weight_version": self.version, "reward": float(rewards.mean()),
+            "accuracy": float((rewards == 1.0).float().mean()), "entropy": float(torch.cat(ents).mean()),
+            "grad_norm": float(grad_norm), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "rollout_seconds": t_rollout, "drift/bitwise_equal_ratio": drift.bitwise_equal_ratio,
+            "drift/kl_k3": drift.kl_k3,
+        })
+        return metrics
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def save(self, path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        tensors = {f"master/{n}": m.detach().contiguous() for n, m in self.masters.items()}
+        names = list(self.masters)
+        state = self.opt.state_dict()
+        for idx, st in state["state"].items():
+            for key, val in st.items():
+                tensors[f"optim/{names[idx]}/{key}"] = torch.as_tensor(val).contiguous()
+        save_file(tensors, str(path / "trainer.safetensors"))
+        meta = {"step": self.step_idx, "weight_version": self.version, "config": dataclasses.asdict(self.cfg),
+                "torch_rng": torch.get_rng_state().tolist(), "task_rng": repr(self.task.rng.getstate())}
+        (path / "trainer.json").write_text(json.dumps(meta))
+
+    def load(self, path) -> None:
+        path = Path(path)
+        tensors = load_file(str(path / "trainer.safetensors"))
+        meta = json.loads((path / "trainer.json").read_text())
+        names = list(self.masters)
+        with torch.no_grad():
+            for n in names:
+                self.masters[n].copy_(tensors[f"master/{n}"])
+        state = self.opt.state_dict()
+        for idx, n in enumerate(names):
+            keys = [k.split("/")[-1] for k in tensors if k.startswith(f"optim/{n}/")]
+            if keys:
+                state["state"][idx] = {k: tensors[f"optim/{n}/{k}"].clone() for k in keys}
+        self.opt.load_state_dict(state)
+        self.step_idx = meta["step"]
+        torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8))
+        self.task.rng.setstate(ast.literal_eval(meta["task_rng"]))
+        self.sync_weights()
+        self.version = meta["weight_version"]
+        self.engine.weight_version = self.version
+
+
+def run(cfg: TrainConfig, *, resume: bool = False, progress=True, log=print) -> list[dict]:
+    """Train for cfg.steps steps (continuing from run_dir's checkpoint with resume), writing
+    metrics.jsonl, checkpoints and reward_drift.png to cfg.run_dir. Returns the metrics of each step."""
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(cfg)
+    metrics_file = run_dir / "metrics.jsonl"
+    if resume and (run_dir / "checkpoint" / "trainer.json").exists():
+        trainer.load(run_dir / "checkpoint")
+        kept = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+        kept = [m for m in kept if m["step"] <= trainer.step_idx]
+        metrics_file.write_text("".join(json.dumps(m) + "\n" for m in kept))
+    else:
+        metrics_file.write_text("")
+    history = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    bar = _progress(progress)
+    with bar:
+        task = bar.add_task("GRPO", total=cfg.steps, completed=trainer.step_idx)
+        while trainer.step_idx < cfg.steps:
+            m = trainer.step()
+            history.append(m)
+            with metrics_file.open("a") as f:
+                f.write(json.dumps(m) + "\n")
+            bar.update(task, completed=trainer.step_idx, description=(
+                f"step {m['step']} reward {m['reward']:.3f} acc {m['accuracy']:.2f} "
+                f"drift {m['sampling/sampling_logp_difference/max']:.2g} {m['tokens_per_s']:.0f} tok/s"))
+            if trainer.step_idx % cfg.checkpoint_every == 0 or trainer.step_idx == cfg.steps:
+                trainer.save(run_dir / "checkpoint")
+    plot(history, run_dir / "reward_drift.png")
+    return history
+
+
+def _progress(enabled: bool):
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), disable=not enabled)
+
+
+def plot(history: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [m["step"] for m in history]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [m["reward"] for m in history], label="mean reward", color="tab:blue")
+    ax.plot(steps, [m["accuracy"] for m in history], label="accuracy", color="tab:green")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward / accuracy")
+    ax2 = ax.twinx()
+    ax2.plot(steps, [m["sampling/sampling_logp_difference/max"] for m in history], label="max |Δlogp|",
+             color="tab:red", linestyle="--")
+    ax2.set_ylabel("rollout vs learner max |Δlogp|")
+    fig.legend(loc="upper left", fontsize=8)
+    ax.set_title("GRPO on addition: reward and rollout/learner drift")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
