@@ -35,11 +35,11 @@ class TrainConfig:
     run_dir: str = "runs/train"
     precision: str = "nvfp4"
     backward: str = "ste"
-    steps: int = 40
+    steps: int = 150
     prompts_per_step: int = 16
     digits: int = 2
     partial_credit: bool = True
-    learning_rate: float = 2e-3
+    learning_rate: float = 5e-4
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     seed: int = 0
@@ -137,6 +137,15 @@ class Trainer:
         })
         return metrics
 
+    def evaluate(self, n: int = 128, seed: int = 1234) -> dict:
+        """Greedy mean reward and accuracy on a fixed set of n problems (the same before and after training)."""
+        probe = AdditionTask(self.cfg.digits, self.cfg.partial_credit, seed=seed)
+        problems = [probe.sample() for _ in range(n)]
+        outs = self.engine.generate([probe.prompt_ids(a, b) for a, b in problems], SamplingParams(
+            max_tokens=self.cfg.grpo.max_completion_length, temperature=0.0, stop_token_ids=(EOS,)))
+        rewards = [probe.reward(*problems[o.request_index], o.token_ids) for o in outs]
+        return {"eval/reward": sum(rewards) / n, "eval/accuracy": sum(r == 1.0 for r in rewards) / n}
+
     # -- checkpoints ---------------------------------------------------------------------------------
     def save(self, path) -> None:
         path = Path(path)
@@ -176,7 +185,8 @@ class Trainer:
 
 def run(cfg: TrainConfig, *, resume: bool = False, progress=True, log=print) -> list[dict]:
     """Train for cfg.steps steps (continuing from run_dir's checkpoint with resume), writing
-    metrics.jsonl, checkpoints and reward_drift.png to cfg.run_dir. Returns the metrics of each step."""
+    metrics.jsonl, checkpoints, summary.json (greedy reward on fixed problems before and after) and
+    reward_drift.png to cfg.run_dir. Returns the metrics of each step."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(cfg)
@@ -189,6 +199,10 @@ def run(cfg: TrainConfig, *, resume: bool = False, progress=True, log=print) -> 
     else:
         metrics_file.write_text("")
     history = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    summary_file = run_dir / "summary.json"
+    summary = json.loads(summary_file.read_text()) if resume and summary_file.exists() else {}
+    if "before" not in summary:
+        summary["before"] = trainer.evaluate()
     bar = _progress(progress)
     with bar:
         task = bar.add_task("GRPO", total=cfg.steps, completed=trainer.step_idx)
@@ -202,6 +216,9 @@ def run(cfg: TrainConfig, *, resume: bool = False, progress=True, log=print) -> 
                 f"drift {m['sampling/sampling_logp_difference/max']:.2g} {m['tokens_per_s']:.0f} tok/s"))
             if trainer.step_idx % cfg.checkpoint_every == 0 or trainer.step_idx == cfg.steps:
                 trainer.save(run_dir / "checkpoint")
+    summary["after"] = trainer.evaluate()
+    summary["steps"] = trainer.step_idx
+    summary_file.write_text(json.dumps(summary, indent=1))
     plot(history, run_dir / "reward_drift.png")
     return history
 
