@@ -1,4 +1,5 @@
-# miniTE. `make demo` sets up a virtual environment (CPU PyTorch) and runs the main job; `make test` runs the tests.
+# miniTE. `make demo` sets up a virtual environment (CPU PyTorch) and runs the main job (GRPO on the
+# built-in tiny model, NVFP4, on CPU); `make test` runs the tests.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -17,8 +18,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 demo: setup
-	$(VENV)/bin/minite demo
-	$(VENV)/bin/minite demo --backend triton --m 16 --n 64 --k 128
+	$(VENV)/bin/minite train --run-dir runs/train
 
 test: setup
 	$(PY) -m pytest -q
