@@ -69,6 +69,13 @@ def test_resume_continues_to_the_same_result(tiny, tmp_path, backward):
     assert all(torch.equal(a.masters[n], b.masters[n]) for n in a.masters)
 
 
+def test_kl_penalty_to_the_frozen_reference(tiny, tmp_path):
+    history = run(_cfg(tiny, tmp_path, steps=3, learning_rate=1e-3,
+                       grpo=GRPOConfig(num_generations=4, max_completion_length=4, beta=0.1)), progress=False)
+    assert history[0]["kl"] == 0.0  # the policy starts as the reference
+    assert history[-1]["kl"] > 0.0
+
+
 def test_bad_train_config(tiny, tmp_path):
     with pytest.raises(ValueError, match="backward"):
         Trainer(_cfg(tiny, tmp_path, backward="fp8"))

@@ -70,6 +70,8 @@ class Trainer:
             rollout_model.w = self.policy.w
         self.engine = RolloutEngine(rollout_model, max_slots=64, max_seq_len=self.policy.cfg.max_position_embeddings)
         self.learner = Learner(self.policy)
+        # the frozen reference policy of the KL penalty (only when beta > 0)
+        self.reference = Learner(load_model(cfg.model_dir, precision=cfg.precision)) if cfg.grpo.beta > 0 else None
         fp32 = load_model(cfg.model_dir, precision="fp32")
         self.masters = {n: t.clone().requires_grad_(True) for n, t in fp32.w.items()}
         self.opt = torch.optim.AdamW(self.masters.values(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
@@ -117,7 +119,12 @@ class Trainer:
             logp_rollout[i, :n] = o.logprobs
             mask[i, :n] = 1.0
         logp = torch.stack(rows)
-        loss, metrics = grpo_loss(logp, logp_rollout, adv, mask, g)
+        logp_ref = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref = self.reference.batch_logprobs([o.prompt_ids for o in outs], [o.token_ids for o in outs], g.temperature)
+            logp_ref = torch.stack([torch.nn.functional.pad(r, (0, longest - r.numel())) for r in ref])
+        loss, metrics = grpo_loss(logp, logp_rollout, adv, mask, g, logp_ref)
         self.opt.zero_grad()
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(list(self.masters.values()), cfg.max_grad_norm)
