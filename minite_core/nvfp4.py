@@ -45,6 +45,8 @@ import dataclasses
 
 import torch
 
+from .reduce import tree_sum
+
 BLOCK = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -325,7 +327,7 @@ def rht(x: torch.Tensor, seed: int = 0, *, inverse: bool = False) -> torch.Tenso
     if inverse:
         q = q.T
     xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
-    return (xb @ q).reshape(x.shape).to(x.dtype)
+    return tree_sum(xb.unsqueeze(-1) * q, dim=-2).reshape(x.shape).to(x.dtype)  # fixed order, no BLAS
 
 
 # ---------------------------------------------------------------------------------------------- layouts

@@ -118,6 +118,15 @@ def _pad_rows16(t: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, pad)) if pad else t
 
 
+def _bwd_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, R] @ b [N, R].T for the backward. On CPU in the fixed-order torch GEMM: MKL's results can
+    depend on buffer alignment, so they differ between processes and a resumed run would drift from an
+    uninterrupted one. On the GPU, the library matmul (deterministic for a given shape and device)."""
+    if a.is_cuda:
+        return a @ b.T
+    return reference.mm_plain(_pad_rows16(a), _pad_rows16(b))
+
+
 def _backward_ste(g2: torch.Tensor, x2: torch.Tensor, w, scale_mode: str):
     """Straight-through on the dequantized operands, bf16-rounded, fp32 accumulation (NeMo-RL/TE's
     "dequantized" backward): dgrad = g @ deq(W), wgrad = g.T @ deq(Q(x))."""
@@ -127,7 +136,7 @@ def _backward_ste(g2: torch.Tensor, x2: torch.Tensor, w, scale_mode: str):
         xd = nvfp4.quantize(x2, scale_mode=scale_mode, check_finite=False).dequantize(torch.bfloat16).float()
     else:
         wd, xd = w.float(), x2.float()
-    return gb @ wd, gb.T @ xd
+    return _bwd_mm(gb, wd.T.contiguous()), _bwd_mm(gb.T.contiguous(), xd.T.contiguous())
 
 
 def _backward_nvfp4(g2: torch.Tensor, x2: torch.Tensor, w: NVFP4Tensor, scale_mode: str):

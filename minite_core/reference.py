@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .nvfp4 import BLOCK, NVFP4Tensor, dequantize_unscaled, div
+from .reduce import tree_sum  # noqa: F401  (re-exported: the torch backend's fixed-order sum)
 
 _MAX_ELEMS = 1 << 24  # intermediate elements per chunk (64 MiB of fp32)
 
@@ -59,25 +60,6 @@ def mm_nvfp4(x: NVFP4Tensor, w: NVFP4Tensor) -> torch.Tensor:
     gx = x.global_scale.reshape(-1, 1) if x.per_row else x.global_scale
     gw = w.global_scale.reshape(1, -1) if w.per_row else w.global_scale
     return (out * gx) * gw
-
-
-def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Sum over `dim` in a fixed order: zero-pad to a power of two, then add the halves, log2(n) times.
-
-    Only elementwise adds, so the order cannot depend on the other dimensions (batch, rows). And
-    zeros appended at the end do not change the bits: tree_sum(cat(x, 0)) == tree_sum(x). That is
-    what lets a decode step over a KV cache (t+1 keys, or a padded cache) and the learner's causal
-    prefill (T keys, the future ones masked to 0) sum the same terms in the same order.
-    """
-    x = x.movedim(dim, -1)
-    n = x.shape[-1]
-    p = 1 << max(n - 1, 0).bit_length()
-    if p != n:
-        x = torch.nn.functional.pad(x, (0, p - n))
-    while x.shape[-1] > 1:
-        h = x.shape[-1] // 2
-        x = x[..., :h] + x[..., h:]
-    return x[..., 0]
 
 
 def mm_plain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -258,7 +258,7 @@ class Qwen3:
                 capture(name, value)
             return value
 
-        x = emit("embed", self.param("model.embed_tokens.weight")[input_ids].to(self.dtype))
+        x = emit("embed", torch.nn.functional.embedding(input_ids, self.param("model.embed_tokens.weight")).to(self.dtype))
         cos, sin = self.rope(positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         if cache is None:

@@ -243,9 +243,16 @@ def plot(history: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     steps = [m["step"] for m in history]
+
+    def smooth(vals, k=10):
+        return [sum(vals[max(0, i - k + 1): i + 1]) / len(vals[max(0, i - k + 1): i + 1]) for i in range(len(vals))]
+
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [m["reward"] for m in history], label="mean reward", color="tab:blue")
-    ax.plot(steps, [m["accuracy"] for m in history], label="accuracy", color="tab:green")
+    reward, acc = [m["reward"] for m in history], [m["accuracy"] for m in history]
+    ax.plot(steps, reward, color="tab:blue", alpha=0.25)
+    ax.plot(steps, smooth(reward), label="mean reward (10-step avg)", color="tab:blue")
+    ax.plot(steps, acc, color="tab:green", alpha=0.25)
+    ax.plot(steps, smooth(acc), label="accuracy (10-step avg)", color="tab:green")
     ax.set_xlabel("step")
     ax.set_ylabel("reward / accuracy")
     ax2 = ax.twinx()
