@@ -102,10 +102,10 @@ def _train(args) -> int:
     from .rl.tiny import build_tiny_model
     from .rl.trainer import TrainConfig, run
 
-    model_dir = Path(args.model_dir)
+    model_dir = Path(args.model_dir or ("runs/tiny-moe" if args.moe else "runs/tiny-model"))
     if not (model_dir / "config.json").exists():
         print(f"building the built-in tiny model in {model_dir} (supervised warm-up, about a minute)")
-        build_tiny_model(model_dir, seed=args.seed)
+        build_tiny_model(model_dir, seed=args.seed, moe=args.moe)
     cfg = TrainConfig(model_dir=str(model_dir), run_dir=args.run_dir, precision=args.precision, backward=args.backward,
                       steps=args.steps, prompts_per_step=args.prompts, seed=args.seed, learning_rate=args.lr,
                       rollout_knobs=_parse_knobs(args.rollout_knob),
@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     diag.add_argument("--seed", type=int, default=0)
     diag.add_argument("--out", default="runs/diagnose")
     train = sub.add_parser("train", help="GRPO on the built-in addition task (builds the tiny model first if needed)")
-    train.add_argument("--model-dir", default="runs/tiny-model")
+    train.add_argument("--model-dir", default=None, help="default: runs/tiny-model (runs/tiny-moe with --moe)")
+    train.add_argument("--moe", action="store_true", help="build the MoE variant of the tiny model")
     train.add_argument("--run-dir", default="runs/train")
     train.add_argument("--steps", type=int, default=150)
     train.add_argument("--prompts", type=int, default=16, help="prompts per step")

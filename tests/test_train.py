@@ -76,6 +76,13 @@ def test_kl_penalty_to_the_frozen_reference(tiny, tmp_path):
     assert history[-1]["kl"] > 0.0
 
 
+def test_moe_variant_trains_with_zero_drift(tmp_path):
+    path = build_tiny_model(tmp_path / "moe", moe=True, max_steps=50, target_accuracy=2.0, log=lambda *a: None)
+    assert load_model(path).cfg.num_experts == 4
+    history = run(_cfg(path, tmp_path / "run", steps=2), progress=False)
+    assert all(m["drift/bitwise_equal_ratio"] == 1.0 for m in history)
+
+
 def test_bad_train_config(tiny, tmp_path):
     with pytest.raises(ValueError, match="backward"):
         Trainer(_cfg(tiny, tmp_path, backward="fp8"))

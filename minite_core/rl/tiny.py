@@ -1,4 +1,5 @@
-"""The built-in tiny model: a 2-layer Qwen3 trained briefly, supervised, on the addition task.
+"""The built-in tiny model: a 2-layer Qwen3 (or Qwen3-MoE with `moe=True`) trained briefly, supervised,
+on the addition task.
 
 `build_tiny_model(path)` writes a random-weight Qwen3 checkpoint with the task's character tokenizer,
 then runs a short supervised warm-up (cross-entropy on the answer tokens, AdamW, a fixed seed) through
@@ -8,6 +9,7 @@ config.json, tokenizer.json). About a minute on 2 CPU cores.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from .tasks import EOS, VOCAB, AdditionTask
 
 TINY = Qwen3Config(vocab_size=len(VOCAB), hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=32)
+TINY_MOE = dataclasses.replace(TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, norm_topk_prob=True)
 
 
 def greedy_accuracy(model, task: AdditionTask, n: int = 64, seed: int = 1234) -> float:
@@ -34,10 +37,10 @@ def greedy_accuracy(model, task: AdditionTask, n: int = 64, seed: int = 1234) ->
 
 
 def build_tiny_model(path, *, digits: int = 2, seed: int = 0, max_steps: int = 800, target_accuracy: float = 0.35,
-                     batch: int = 64, lr: float = 5e-3, log=print) -> Path:
+                     batch: int = 64, lr: float = 5e-3, moe: bool = False, log=print) -> Path:
     path = Path(path)
     torch.manual_seed(seed)
-    random_checkpoint(path, TINY, seed=seed, dtype=torch.float32)
+    random_checkpoint(path, TINY_MOE if moe else TINY, seed=seed, dtype=torch.float32)
     task = AdditionTask(digits, seed=seed)
     task.tokenizer.save(str(path / "tokenizer.json"))
     model = load_model(path, precision="fp32")
