@@ -259,7 +259,7 @@ def plot(history: list[dict], path: Path) -> None:
     ax2.plot(steps, [m["sampling/sampling_logp_difference/max"] for m in history], label="max |Δlogp|",
              color="tab:red", linestyle="--")
     ax2.set_ylabel("rollout vs learner max |Δlogp|")
-    fig.legend(loc="upper left", fontsize=8)
+    fig.legend(loc="lower right", fontsize=8)
     ax.set_title("GRPO on addition: reward and rollout/learner drift")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
