@@ -218,7 +218,7 @@ def linear(
 
 # ------------------------------------------------------------------------------- row-local ops
 # These have no Triton kernel yet: every backend runs the torch implementation (CPU or GPU), which is
-# batch-invariant and decode == prefill by construction (see `reference.tree_sum`).
+# batch-invariant and decode == prefill by construction (see `reduce.tree_sum`).
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, backend: str | None = None) -> torch.Tensor:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .nvfp4 import BLOCK, NVFP4Tensor, dequantize_unscaled, div
-from .reduce import tree_sum  # noqa: F401  (re-exported: the torch backend's fixed-order sum)
+from .reduce import tree_sum
 
 _MAX_ELEMS = 1 << 24  # intermediate elements per chunk (64 MiB of fp32)
 

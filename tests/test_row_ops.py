@@ -3,7 +3,8 @@ bit-for-bit independent of batch mates and of decode vs prefill, and close to th
 import torch
 import torch.nn.functional as F
 
-from minite_core.reference import attention, log_softmax, rms_norm, silu_mul, tree_sum
+from minite_core.reduce import tree_sum
+from minite_core.reference import attention, log_softmax, rms_norm, silu_mul
 
 
 def _x(*shape, seed=0):

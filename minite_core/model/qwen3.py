@@ -19,7 +19,7 @@ import torch
 
 from .. import ops
 from ..nvfp4 import NVFP4Tensor
-from ..reference import tree_sum
+from ..reduce import tree_sum
 
 ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
