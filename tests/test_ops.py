@@ -192,30 +192,32 @@ def test_linear_backward_is_straight_through():
     wq_no_master.sum().backward()
 
 
-@pytest.mark.parametrize("backward,tol", [("ste", 0.12), ("nvfp4", 0.35)])
+@pytest.mark.parametrize("backward,tol", [("ste", 0.12), ("nvfp4", 0.6)])
 def test_training_gradients_against_fp32_autograd(backward, tol):
-    """Gradients of a W4A4 linear vs fp32 autograd of F.linear on the master weight. Tolerances (relative
-    L2 error): STE 0.12 (the forward's quantization of W and x is all that differs); the NVFP4 recipe
-    0.35 (gradients are themselves quantized to NVFP4, with stochastic rounding)."""
-    torch.manual_seed(0)
+    """Gradients of a W4A4 linear vs fp32 autograd of F.linear on the master weight, relative L2 error.
+    STE: 0.12 (measured 0.093: only the forward's quantization of W and x differs). NVIDIA recipe, one
+    draw: 0.6 (gradients themselves go to NVFP4 with stochastic rounding; up to 0.45 seen over 64 seeds
+    on CPU, 0.38 in one GPU draw); the mean over 64 draws must come much closer, as stochastic rounding
+    is unbiased: wgrad 0.1 (measured 0.05), dgrad 0.25 (measured 0.19, the bias of the 2-D weight scales)."""
     m, n, k = 48, 32, 64
     w = (_rand(n, k, seed=17) * 0.1).requires_grad_(True)
     x = _rand(m, k, seed=18).requires_grad_(True)
     g = _rand(m, n, seed=19)
     torch.nn.functional.linear(x, w).backward(g)
     ref_x, ref_w = x.grad.clone(), w.grad.clone()
-    x.grad = w.grad = None
     wq = nvfp4.quantize(w.detach(), scale_mode="tensor", block_2d=backward == "nvfp4")
-    ops.linear(x, wq, master=w, backward=backward).backward(g)
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
-    assert rel(x.grad, ref_x) < tol and rel(w.grad, ref_w) < tol, (rel(x.grad, ref_x), rel(w.grad, ref_w))
-    if backward == "nvfp4":  # stochastic rounding is unbiased: the mean over draws approaches STE's
-        mean_w = torch.zeros_like(w)
-        for _ in range(64):
-            w.grad = None
-            ops.linear(x.detach(), wq, master=w, backward="nvfp4").backward(g)
-            mean_w += w.grad / 64
-        assert rel(mean_w, ref_w) < rel(w.grad, ref_w)
+    draws = 64 if backward == "nvfp4" else 1
+    mean_x, mean_w = torch.zeros_like(x), torch.zeros_like(w)
+    for seed in range(draws):
+        torch.manual_seed(seed)
+        x.grad = w.grad = None
+        ops.linear(x, wq, master=w, backward=backward).backward(g)
+        assert rel(x.grad, ref_x) < tol and rel(w.grad, ref_w) < tol, (seed, rel(x.grad, ref_x), rel(w.grad, ref_w))
+        mean_x += x.grad / draws
+        mean_w += w.grad / draws
+    if backward == "nvfp4":
+        assert rel(mean_w, ref_w) < 0.1 and rel(mean_x, ref_x) < 0.25, (rel(mean_w, ref_w), rel(mean_x, ref_x))
 
 
 # ------------------------------------------------------------------------------------------------ bad input
