@@ -103,6 +103,8 @@ def _train(args) -> int:
     from .rl.trainer import TrainConfig, run
 
     model_dir = Path(args.model_dir or ("runs/tiny-moe" if args.moe else "runs/tiny-model"))
+    if args.model_dir and not (model_dir / "config.json").exists():
+        raise FileNotFoundError(f"{model_dir} has no config.json (leave out --model-dir to build the built-in model)")
     if not (model_dir / "config.json").exists():
         print(f"building the built-in tiny model in {model_dir} (supervised warm-up, about a minute)")
         build_tiny_model(model_dir, seed=args.seed, moe=args.moe)

@@ -139,7 +139,7 @@ def _backward_ste(g2: torch.Tensor, x2: torch.Tensor, w, scale_mode: str):
     return _bwd_mm(gb, wd.T.contiguous()), _bwd_mm(gb.T.contiguous(), xd.T.contiguous())
 
 
-def _backward_nvfp4(g2: torch.Tensor, x2: torch.Tensor, w: NVFP4Tensor, scale_mode: str):
+def _backward_nvfp4(g2: torch.Tensor, x2: torch.Tensor, w: NVFP4Tensor):
     """NVIDIA's NVFP4 training recipe: gradients quantized to NVFP4 with stochastic rounding; dgrad
     against the same (2-D block scaled) weight; wgrad with a random Hadamard transform along the token
     dimension on both operands, so the rotation cancels in the product."""
@@ -172,7 +172,7 @@ class _Linear(torch.autograd.Function):
         g2 = grad_out.reshape(-1, grad_out.shape[-1]).float()
         x2 = x.reshape(-1, x.shape[-1])
         if ctx.bwd == "nvfp4" and isinstance(ctx.w, NVFP4Tensor):
-            grad_x, grad_w = _backward_nvfp4(g2, x2, ctx.w, ctx.scale_mode)
+            grad_x, grad_w = _backward_nvfp4(g2, x2, ctx.w)
         else:
             grad_x, grad_w = _backward_ste(g2, x2, ctx.w, ctx.scale_mode)
         grad_x = grad_x.reshape(x.shape).to(x.dtype) if ctx.needs_input_grad[0] else None

@@ -84,6 +84,15 @@ def test_moe_variant_trains_with_zero_drift(tmp_path):
 
 
 def test_bad_train_config(tiny, tmp_path):
+    from minite_core.cli import main
+    from minite_core.model.random_init import random_checkpoint
+    from minite_core.rl.tiny import TINY
+
+    foreign = random_checkpoint(tmp_path / "foreign", TINY)  # no tokenizer.json: not the task's model
+    with pytest.raises(ValueError, match="character tokenizer"):
+        Trainer(_cfg(foreign, tmp_path))
+    assert main(["train", "--model-dir", str(tmp_path / "missing")]) == 2
+    assert not (tmp_path / "missing").exists()  # an explicit path is never silently filled with the tiny model
     with pytest.raises(ValueError, match="backward"):
         Trainer(_cfg(tiny, tmp_path, backward="fp8"))
     with pytest.raises(ValueError, match="num_generations"):

@@ -302,10 +302,3 @@ class Qwen3:
         """Logits [B, T, V] of a [B, T] batch of full sequences (the same as model(input_ids))."""
         return self.forward(input_ids)
 
-    def linear_weights(self) -> list[str]:
-        """Names of the weights of the linear layers that NVFP4 precision quantizes (not embeddings,
-        lm_head, norms or the MoE router)."""
-        keep = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                "gate_proj", "up_proj", "down_proj")
-        return [n for n in self.w if n.endswith(".weight") and any(n.endswith(k + ".weight") for k in keep)]
-

@@ -63,6 +63,10 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.task = AdditionTask(cfg.digits, cfg.partial_credit, seed=cfg.seed)
         self.policy = load_model(cfg.model_dir, precision=cfg.precision)
+        tok = self.policy.tokenizer
+        if tok is None or tok.get_vocab() != self.task.tokenizer.get_vocab():
+            raise ValueError(f"{cfg.model_dir}: the built-in addition task needs a model with its character tokenizer "
+                             "(tokenizer.json); build one with `minite train` without --model-dir")
         self.policy.backward = cfg.backward
         rollout_model = self.policy
         if cfg.rollout_knobs:  # a misaligned rollout engine over the same weights
