@@ -4,13 +4,14 @@ import math
 
 import pytest
 import torch
+from conftest import save_hf_checkpoint
 
 from minite_core.consistency import drift_stats
 from minite_core.engine import Learner, RolloutEngine, SamplingParams
 from minite_core.model import load_model
 from minite_core.model.qwen3 import KNOBS
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")  # the checkpoints are written by HF itself
 
 
 def test_drift_stats_by_hand():
@@ -29,12 +30,8 @@ def test_drift_stats_by_hand():
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    torch.manual_seed(0)
     # wide enough (K = 256, 512) that a library matmul's sums of NVFP4 products are not exact by luck
-    cfg = transformers.Qwen3Config(vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=128)
-    path = tmp_path_factory.mktemp("knobs")
-    transformers.Qwen3ForCausalLM(cfg).save_pretrained(path)
+    path = save_hf_checkpoint(tmp_path_factory.mktemp("knobs"), hidden_size=256, intermediate_size=512, head_dim=64)
     return path
 
 

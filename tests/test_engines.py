@@ -3,30 +3,17 @@ continuous batching (requests joining mid-flight, mixed lengths, >= 16 at once),
 dense and MoE; seeded sampling reproducible whatever the batch mates; bad requests rejected."""
 import pytest
 import torch
-from conftest import DEVICE, HAS_CUDA, HAS_TRITON
+from conftest import DEVICE, HAS_CUDA, HAS_TRITON, save_hf_checkpoint
 
 from minite_core.engine import Learner, RolloutEngine, SamplingParams
 from minite_core.model import load_model
 
-transformers = pytest.importorskip("transformers")
-
-
-def _save(path, moe):
-    torch.manual_seed(0)
-    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
-    if moe:
-        m = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True))
-    else:
-        m = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
-    m.save_pretrained(path)
-    return path
+pytest.importorskip("transformers")  # the checkpoints are written by HF itself
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
 def ckpt(request, tmp_path_factory):
-    return _save(tmp_path_factory.mktemp(request.param), request.param == "moe")
+    return save_hf_checkpoint(tmp_path_factory.mktemp(request.param), moe=request.param == "moe")
 
 
 def _prompts(n, seed=0):

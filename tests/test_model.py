@@ -4,41 +4,21 @@ import json
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, save_hf_checkpoint
 
 from minite_core import ops
 from minite_core.model import load_model
 
 transformers = pytest.importorskip("transformers")
 
-TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6)
-
-
-def _save(path, moe: bool, **extra):
-    torch.manual_seed(0)
-    if moe:
-        cfg = transformers.Qwen3MoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                          norm_topk_prob=True, **extra)
-        model = transformers.Qwen3MoeForCausalLM(cfg)
-    else:
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TINY, **extra))
-    with torch.no_grad():  # norms start at 1: make them random so that parity tests mean something
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def dense_dir(tmp_path_factory):
-    return _save(tmp_path_factory.mktemp("dense"), moe=False)
+    return save_hf_checkpoint(tmp_path_factory.mktemp("dense"), random_norms=True)
 
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    return _save(tmp_path_factory.mktemp("moe"), moe=True)
+    return save_hf_checkpoint(tmp_path_factory.mktemp("moe"), moe=True, random_norms=True)
 
 
 def _hf_logits(path, moe, dtype, ids):
