@@ -34,7 +34,7 @@ def _demo(args) -> int:
     t0 = time.perf_counter()
     y = ops.linear(x, wq, backend=args.backend)
     t1 = time.perf_counter()
-    xq = ops.quantize_activation(x, backend=args.backend)
+    xq = ops.quantize(x, backend=args.backend)
     ref = xq.dequantize(torch.float64) @ wq.dequantize(torch.float64).T
     rel = ((y.double() - ref).norm() / ref.norm()).item()
     rows = [0, args.m // 2, args.m - 1]

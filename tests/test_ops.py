@@ -48,8 +48,8 @@ def test_triton_quantize_is_bit_exact_with_torch(dtype, rows, k, mode):
         x[2] = 0.0  # an all-zero row
         x[3, 1] = -0.0
         x[3, 5] = x[3].abs().max() * 7  # an outlier
-    ref = ops.quantize_activation(x, scale_mode=mode, backend="torch")
-    got = ops.quantize_activation(x, scale_mode=mode, backend="triton")
+    ref = ops.quantize(x, scale_mode=mode, backend="torch")
+    got = ops.quantize(x, scale_mode=mode, backend="triton")
     assert _same_bits(got.data, ref.data)
     assert _same_bits(got.scale, ref.scale)
     assert _same_bits(got.global_scale, ref.global_scale)
@@ -60,8 +60,8 @@ def test_triton_quantize_is_bit_exact_with_torch(dtype, rows, k, mode):
 def test_triton_quantize_explicit_scale_saturates_like_torch():
     x = _rand(9, 64, seed=3)
     gs = torch.tensor(x.abs().max().item() / 2688 / 50, device=DEVICE)  # forces saturation
-    ref = ops.quantize_activation(x, global_scale=gs, backend="torch")
-    got = ops.quantize_activation(x, global_scale=gs, backend="triton")
+    ref = ops.quantize(x, global_scale=gs, backend="torch")
+    got = ops.quantize(x, global_scale=gs, backend="triton")
     assert _same_bits(got.data, ref.data) and _same_bits(got.scale, ref.scale)
     assert (ref.scale.view(torch.uint8) == 0x7E).any()  # 448 reached
 
@@ -246,7 +246,7 @@ def test_bad_input_is_named(backend):
     with pytest.raises(ValueError, match="NaN"):
         ops.linear(bad, w, backend=backend)
     with pytest.raises(ValueError, match="NaN"):
-        ops.quantize_activation(bad, backend=backend)
+        ops.quantize(bad, backend=backend)
     inf = x.clone()
     inf[0, 0] = float("inf")
     with pytest.raises(ValueError, match="Inf"):

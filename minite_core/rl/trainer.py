@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .. import nvfp4
+from .. import nvfp4, ops
 from ..consistency import drift_stats
 from ..engine import Learner, RolloutEngine, SamplingParams
 from ..model import load_model
@@ -88,8 +88,10 @@ class Trainer:
         """Re-quantize the masters once into the weights both engines use; bump the weight version."""
         with torch.no_grad():
             for n, m in self.masters.items():
-                if isinstance(self.policy.w[n], NVFP4Tensor):
-                    self.policy.w[n] = nvfp4.quantize(m.detach(), scale_mode="tensor", block_2d=self.cfg.backward == "nvfp4")
+                if isinstance(self.policy.w[n], NVFP4Tensor) and self.cfg.backward == "nvfp4":  # 16x16 blocks
+                    self.policy.w[n] = nvfp4.quantize(m.detach(), scale_mode="tensor", block_2d=True)
+                elif isinstance(self.policy.w[n], NVFP4Tensor):  # the fused quantize kernel on the GPU
+                    self.policy.w[n] = ops.quantize(m.detach(), scale_mode="tensor", backend=self.policy.backend)
                 else:
                     self.policy.w[n] = m.detach().to(self.policy.dtype)
         self.version += 1

@@ -1,0 +1,167 @@
+"""Learner throughput (GPU): tokens/s of one training step (forward + backward + AdamW + re-quantize)
+on a random-weight Qwen3 config, miniTE NVFP4 vs miniTE BF16 vs a HF transformers bf16 training step.
+
+    python bench/learner.py [--config 0.6b] [--batch 4] [--seq 2048] [--steps 5] [--attention sdpa]
+
+The miniTE step is the Trainer's: the policy forward with fp32 master weights (NVFP4: W4A4 GEMMs, the
+masters' gradients through the straight-through backward), a token-mean loss on the completion
+logprobs (what GRPO's loss reduces to up to per-token weights), AdamW, then the masters re-quantized
+into the weights the rollout engine uses. HF: Qwen3ForCausalLM in bf16 with sdpa attention, AdamW,
+cross-entropy loss. All on the same random config. Tokens/s = batch * seq / median step seconds.
+
+`--attention sdpa` runs miniTE's attention through torch SDPA (the misalignment knob) in both
+precisions, so the comparison isolates the linear layers; the aligned torch attention materializes
+[B, H, T, T, D] and does not fit at seq 2048 (a Triton attention kernel is issue 6's).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from minite_core import ops  # noqa: E402
+from minite_core.engine import Learner  # noqa: E402
+from minite_core.model import load_model  # noqa: E402
+from minite_core.model.qwen3 import Qwen3Config  # noqa: E402
+from minite_core.model.random_init import random_checkpoint  # noqa: E402
+from minite_core.nvfp4 import NVFP4Tensor  # noqa: E402
+
+CONFIGS = {  # Qwen3-0.6B and Qwen3-1.7B shapes (vocabulary included)
+    "0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+}
+
+
+def make_config(name: str, seq: int) -> Qwen3Config:
+    c = dict(CONFIGS[name], max_position_embeddings=max(seq, 4096), rms_norm_eps=1e-6, rope_theta=1e6,
+             model_type="qwen3", architectures=["Qwen3ForCausalLM"])
+    return Qwen3Config.from_hf(c)
+
+
+def time_steps(step, n: int) -> list[float]:
+    step()  # warm-up: compile the Triton kernels, fill the allocator
+    step()
+    out = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def minite_step_fn(path: Path, precision: str, batch: int, seq: int, knobs: dict):
+    policy = load_model(path, precision=precision, backend="triton", device="cuda", knobs=knobs)
+    fp32 = load_model(path, precision="fp32", device="cuda")
+    masters = {n: t.clone().requires_grad_(True) for n, t in fp32.w.items()}
+    del fp32
+    opt = torch.optim.AdamW(masters.values(), lr=1e-5)
+    learner = Learner(policy)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, policy.cfg.vocab_size, (batch, seq), generator=g).tolist()
+    prompts, completions = [s[:1] for s in ids], [s[1:] for s in ids]
+
+    def step():
+        policy.masters = masters
+        try:
+            lps = learner.batch_logprobs(prompts, completions)
+        finally:
+            policy.masters = None
+        loss = -torch.cat(lps).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(masters.values()), 1.0)
+        opt.step()
+        with torch.no_grad():  # the Trainer's sync_weights: one re-quantize of every master
+            for n, m in masters.items():
+                if isinstance(policy.w[n], NVFP4Tensor):
+                    policy.w[n] = ops.quantize(m, scale_mode="tensor", backend="triton")
+                else:
+                    policy.w[n] = m.to(policy.dtype)
+    return step
+
+
+def hf_step_fn(cfg: Qwen3Config, batch: int, seq: int):
+    import transformers
+    hf_cfg = transformers.Qwen3Config(**{k: v for k, v in cfg.to_hf().items() if k not in ("architectures", "dtype")})
+    hf_cfg._attn_implementation = "sdpa"
+    model = transformers.Qwen3ForCausalLM(hf_cfg).to(device="cuda", dtype=torch.bfloat16)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    return step
+
+
+def profile(name: str, step) -> None:
+    from torch.profiler import ProfilerActivity, profile as prof
+    with prof(activities=[ProfilerActivity.CUDA]) as p:
+        step()
+        torch.cuda.synchronize()
+    print(f"--- {name}: GPU time by kernel (one step)")
+    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="0.6b", choices=sorted(CONFIGS))
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--attention", default="sdpa", choices=["sdpa", "invariant"])
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="print where the NVFP4 and BF16 steps spend GPU time")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/learner.py needs a CUDA device")
+    cfg = make_config(args.config, args.seq)
+    knobs = {"attention": "sdpa"} if args.attention == "sdpa" else {}
+    tokens = args.batch * args.seq
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = random_checkpoint(Path(tmp) / "model", cfg)
+        runs = [(f"minite-{p}", lambda p=p: minite_step_fn(path, p, args.batch, args.seq, knobs)) for p in ("bf16", "nvfp4")]
+        if not args.skip_hf:
+            runs.append(("hf-transformers-bf16", lambda: hf_step_fn(cfg, args.batch, args.seq)))
+        for name, build in runs:
+            try:
+                torch.cuda.reset_peak_memory_stats()
+                step = build()
+                times = time_steps(step, args.steps)
+                if args.profile and name.startswith("minite"):
+                    profile(name, step)
+                med = statistics.median(times)
+                rows.append((name, med, tokens / med, torch.cuda.max_memory_allocated() / 2**30))
+            except Exception as e:  # report and go on: one failing row must not cost the others
+                rows.append((name, float("nan"), float("nan"), float("nan")))
+                print(f"{name}: FAILED {type(e).__name__}: {e}", file=sys.stderr)
+            torch.cuda.empty_cache()
+    print(f"\nlearner step, Qwen3-{args.config} shape, batch {args.batch} x seq {args.seq}, attention={args.attention}, "
+          f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"{'engine':24s} {'step s':>8s} {'tokens/s':>10s} {'peak GiB':>9s}")
+    for name, med, tps, mem in rows:
+        print(f"{name:24s} {med:8.3f} {tps:10.0f} {mem:9.1f}")
+    by = {r[0]: r[2] for r in rows}
+    if by.get("minite-bf16"):
+        print(f"NVFP4 / BF16 = {by['minite-nvfp4'] / by['minite-bf16']:.2f}x")
+    if by.get("hf-transformers-bf16"):
+        print(f"NVFP4 / HF   = {by['minite-nvfp4'] / by['hf-transformers-bf16']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
