@@ -1,11 +1,12 @@
-# miniTE. `make demo` sets up a virtual environment (CPU PyTorch) and runs the main job (GRPO on the
-# built-in tiny model, NVFP4, on CPU); `make test` runs the tests.
+# miniTE. `make demo` sets up a virtual environment (CPU PyTorch) and runs the main job: the RL run
+# (GRPO, NVFP4, built-in tiny model, CPU) through the rollout and learner services (`minite up`);
+# `make test` runs the tests.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test test-interpreter bench clean
+.PHONY: setup demo up-local train test test-interpreter proto compose-config bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,8 +18,19 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
-demo: setup
+demo: up-local
+
+up-local: setup  ## rollout + learner (+ Prometheus when installed) as local processes, RL job, then stop
+	$(VENV)/bin/minite up --run-dir runs/up
+
+train: setup  ## the same RL job in one process, no services
 	$(VENV)/bin/minite train --run-dir runs/train
+
+proto: setup  ## regenerate the committed gRPC stubs in minite/v1 from proto/minite/v1/*.proto
+	cd proto && ../$(PY) -m grpc_tools.protoc -I . --python_out=.. --pyi_out=.. --grpc_python_out=.. minite/v1/*.proto
+
+compose-config:  ## validate docker-compose.yml offline (Debian's docker-compose v1 client)
+	docker-compose -f docker-compose.yml config -q
 
 test: setup
 	$(PY) -m pytest -q

@@ -128,8 +128,29 @@ def _train(args) -> int:
     return 0
 
 
+SERVICES = {  # subcommands with their own settings parser (pydantic-settings: flags + MINITE_* env vars)
+    "rollout": "services.rollout.main",
+    "learner": "services.learner.main",
+    "up": "services.up",
+}
+
+
+def _build_model(args) -> int:
+    from .rl.tiny import build_tiny_model
+
+    build_tiny_model(args.out, seed=args.seed, moe=args.moe)
+    print(f"built the tiny model in {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="minite", description="miniTE: NVFP4 RL with bitwise-consistent engines")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SERVICES:
+        import importlib
+
+        return importlib.import_module(SERVICES[argv[0]]).main(argv[1:])
+    ap = argparse.ArgumentParser(prog="minite", description="miniTE: NVFP4 RL with bitwise-consistent engines; "
+                                 "also `minite rollout|learner|up --help` for the services")
     sub = ap.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="W4A4 linear: accuracy and batch invariance on random data")
     demo.add_argument("--backend", choices=["torch", "triton"], default="torch")
@@ -161,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--resume", action="store_true", help="continue from the run directory's checkpoint")
     train.add_argument("--rollout-knob", action="append", metavar="NAME=VALUE", help="misalign the rollout engine")
+    build = sub.add_parser("build-model", help="build the built-in tiny model (supervised warm-up, deterministic)")
+    build.add_argument("--out", default="runs/tiny-model")
+    build.add_argument("--moe", action="store_true")
+    build.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     for name in ("m", "n", "k", "prompts", "max_tokens", "slots", "steps", "generations"):
         if getattr(args, name, 1) <= 0:
@@ -172,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             return _demo(args)
         if args.cmd == "train":
             return _train(args)
+        if args.cmd == "build-model":
+            return _build_model(args)
         return _diagnose(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"minite {args.cmd}: error: {e}", file=sys.stderr)

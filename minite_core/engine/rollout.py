@@ -6,6 +6,14 @@ steps with every other running sequence until it stops, and its slot is freed fo
 cache is bounded (`max_slots` x `max_seq_len`): more requests queue, never crash; a request that could
 never fit is rejected with a ValueError.
 
+Two ways to drive it: `generate(prompts)` runs a batch of requests to completion (the in-process RL
+loop, tests); a service calls `submit` (with per-token and completion callbacks), `step` in its own
+loop, `cancel`, and `set_weights`. Weight versions: a request is pinned at submission to the version
+then serving, and every token of it is computed with those weights, so no sequence mixes versions.
+`set_weights` installs a new version atomically between steps; requests in flight either finish on
+their version (both weight sets are held until they do) or are aborted. Sequences on different
+versions decode in separate forwards: every op is batch-invariant, so splitting a batch changes no bit.
+
 The logprob of a sampled token is log_softmax(logits / temperature) over the full vocabulary, at that
 token (temperature 0, greedy, reports temperature 1); top-k and top-p only shape the distribution the
 token is drawn from. Each sequence samples from its own torch.Generator seeded from (seed, its index
@@ -24,7 +32,7 @@ import torch
 from .. import ops
 from ..model.qwen3 import KVCache, Qwen3
 
-FINISH_STOP, FINISH_LENGTH = "stop", "length"
+FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
 
 
 @dataclasses.dataclass
@@ -66,12 +74,39 @@ class _Seq:
     prompt: list[int]
     params: SamplingParams
     gen: torch.Generator
-    request_index: int
+    request: "Request"
     sample_index: int
     tokens: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
     slot: int = -1
     finish: str | None = None
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.request.index, self.sample_index
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """A submitted request: its n sequences, the weight version they use, and the callbacks (called on
+    the thread that runs `step`): on_token(seq_index, token, logprob, finish_reason or None) and
+    on_done(request)."""
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    version: int
+    weights: dict
+    on_token: object = None
+    on_done: object = None
+    seqs: list = dataclasses.field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return all(q.finish for q in self.seqs)
+
+    def completions(self) -> list[Completion]:
+        return [Completion(self.prompt, q.tokens, torch.stack(q.logprobs) if q.logprobs else torch.zeros(0),
+                           q.finish, self.version, self.index, q.sample_index) for q in self.seqs]
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[int, torch.Tensor]:
@@ -103,8 +138,42 @@ class RolloutEngine:
         if max_slots < 1 or self.max_seq_len < 2:
             raise ValueError("max_slots must be >= 1 and max_seq_len >= 2")
         self.cache = KVCache(model.cfg, max_slots, self.max_seq_len, model.dtype, model.device)
-        self.weight_version = 0
+        self._version = 0
+        self.waiting: collections.deque[_Seq] = collections.deque()
+        self.running: list[_Seq] = []
+        self.free = list(range(max_slots))
+        self._requests = 0
 
+    # -- weights --------------------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @weight_version.setter
+    def weight_version(self, v: int) -> None:
+        """Relabel the serving weights (the in-process loop updates `model.w` in place between batches)."""
+        if self.busy:
+            raise RuntimeError("cannot relabel the weight version while requests are in flight; use set_weights")
+        self._version = v
+
+    def set_weights(self, weights: dict, version: int, *, abort_in_flight: bool = False) -> int:
+        """Serve `weights` (a complete dict by weight name) as `version` from now on. In-flight requests
+        finish on their own version, or are aborted (finish_reason "abort"). Returns how many sequences
+        were aborted. The caller validates the weights (names, shapes, formats) beforehand."""
+        if version <= self._version:
+            raise ValueError(f"weight version {version} is not newer than the serving version {self._version}")
+        aborted = 0
+        if abort_in_flight:
+            for q in list(self.waiting) + self.running:
+                if not q.finish:
+                    q.finish = FINISH_ABORT
+                    aborted += 1
+            self._reap()
+        self.model.w = weights
+        self._version = version
+        return aborted
+
+    # -- requests -------------------------------------------------------------------------------
     def _check_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, torch.Tensor):
             prompt = prompt.tolist()
@@ -116,6 +185,41 @@ class RolloutEngine:
         if len(prompt) >= self.max_seq_len:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit the context of {self.max_seq_len} tokens")
         return list(prompt)
+
+    def submit(self, prompt, params: SamplingParams | None = None, *, on_token=None, on_done=None,
+               index: int | None = None) -> Request:
+        """Queue one request (its n samples) on the serving weight version. Raises ValueError on bad input."""
+        params = params or SamplingParams()
+        params.validate()
+        prompt = self._check_prompt(prompt)
+        if index is None:
+            index = self._requests
+        self._requests += 1
+        req = Request(index, prompt, params, self._version, self.model.w, on_token, on_done)
+        for s in range(params.n):
+            seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31, ()))
+            gen = torch.Generator().manual_seed((seed * 1_000_003 + s) % 2**63)
+            req.seqs.append(_Seq(prompt, params, gen, req, s))
+        self.waiting.extend(req.seqs)
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request's unfinished sequences (finish_reason "abort"); its slots free at once."""
+        for q in req.seqs:
+            if not q.finish:
+                q.finish = FINISH_ABORT
+        self._reap()
+
+    def finish(self, req: Request, sample_index: int, reason: str = FINISH_STOP) -> None:
+        """End one sequence now with `reason` (a service's text stop strings); no more tokens for it."""
+        q = req.seqs[sample_index]
+        if not q.finish:
+            q.finish = reason
+        self._reap()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, *,
                  capture=None) -> list[Completion]:
@@ -129,18 +233,15 @@ class RolloutEngine:
             plist = params
         else:
             plist = [params or SamplingParams()] * len(prompts)
-        queue = collections.deque()
-        for r, (prompt, p) in enumerate(zip(prompts, plist)):
+        if self.busy:
+            raise RuntimeError("generate() needs an idle engine (a service drives it with submit/step)")
+        for p, prompt in zip(plist, prompts):  # validate all before queueing any
             p.validate()
-            prompt = self._check_prompt(prompt)
-            for s in range(p.n):
-                seed = p.seed if p.seed is not None else int(torch.randint(0, 2**31, ()))
-                gen = torch.Generator().manual_seed((seed * 1_000_003 + s) % 2**63)
-                queue.append(_Seq(prompt, p, gen, r, s))
-        done = self._run(queue, capture)
-        done.sort(key=lambda q: (q.request_index, q.sample_index))
-        return [Completion(q.prompt, q.tokens, torch.stack(q.logprobs) if q.logprobs else torch.zeros(0),
-                           q.finish, self.weight_version, q.request_index, q.sample_index) for q in done]
+            self._check_prompt(prompt)
+        reqs = [self.submit(prompt, p, index=r) for r, (prompt, p) in enumerate(zip(prompts, plist))]
+        while self.busy:
+            self.step(capture)
+        return [c for r in reqs for c in r.completions()]
 
     # -- the scheduler --------------------------------------------------------------------------
     def _append(self, seq: _Seq, logits: torch.Tensor) -> None:
@@ -151,40 +252,60 @@ class RolloutEngine:
             seq.finish = FINISH_STOP
         elif len(seq.tokens) >= seq.params.max_tokens or len(seq.prompt) + len(seq.tokens) >= self.max_seq_len:
             seq.finish = FINISH_LENGTH
+        if seq.request.on_token is not None:
+            seq.request.on_token(seq.sample_index, tok, float(lp), seq.finish)
+
+    def _reap(self) -> None:
+        """Retire finished sequences: free their slots; call on_done for each request now complete."""
+        done = [q for q in self.running if q.finish] + [q for q in self.waiting if q.finish]
+        if not done:
+            return
+        self.running = [q for q in self.running if not q.finish]
+        self.waiting = collections.deque(q for q in self.waiting if not q.finish)
+        for q in done:
+            if q.slot >= 0:
+                self.free.append(q.slot)
+                q.slot = -1
+        for req in {id(q.request): q.request for q in done}.values():
+            if req.done and req.on_done is not None:
+                req.on_done(req)
 
     @staticmethod
     def _capture_rows(capture, seqs: list[_Seq]):
         if capture is None:
             return None
-        return lambda name, t: [capture((q.request_index, q.sample_index), name, t[j]) for j, q in enumerate(seqs)]
+        return lambda name, t: [capture(q.key, name, t[j]) for j, q in enumerate(seqs)]
+
+    def _forward(self, seqs: list[_Seq], ids, pos, capture):
+        """One forward over `seqs` (all on one weight version) with that version's weights."""
+        dev = self.model.device
+        serving = self.model.w
+        self.model.w = seqs[0].request.weights
+        try:
+            return self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.cache,
+                              torch.tensor([q.slot for q in seqs], device=dev), capture=self._capture_rows(capture, seqs))
+        finally:
+            self.model.w = serving
 
     @torch.no_grad()
-    def _run(self, queue: collections.deque, capture=None) -> list[_Seq]:
-        free = list(range(self.cache.slots))
-        running: list[_Seq] = []
-        done: list[_Seq] = []
-        dev = self.model.device
-        while queue or running:
-            while queue and free:  # join: prefill a waiting sequence into a free slot
-                seq = queue.popleft()
-                seq.slot = free.pop(0)
-                ids = torch.tensor([seq.prompt], device=dev)
-                pos = torch.arange(len(seq.prompt), device=dev).view(1, -1)
-                logits = self.model(ids, pos, self.cache, torch.tensor([seq.slot], device=dev),
-                                    capture=self._capture_rows(capture, [seq]))
-                self._append(seq, logits[0, -1])
-                running.append(seq)
-            finished = [q for q in running if q.finish]
-            for q in finished:
-                running.remove(q)
-                free.append(q.slot)
-                done.append(q)
-            if finished:
-                continue  # let waiting sequences join before the next decode step
-            ids = torch.tensor([[q.tokens[-1]] for q in running], device=dev)
-            pos = torch.tensor([[len(q.prompt) + len(q.tokens) - 1] for q in running], device=dev)
-            slots = torch.tensor([q.slot for q in running], device=dev)
-            logits = self.model(ids, pos, self.cache, slots, capture=self._capture_rows(capture, running))
-            for q, row in zip(running, logits[:, 0]):
+    def step(self, capture=None) -> None:
+        """One scheduler iteration: waiting sequences join free slots (prefill each), then one decode
+        step for every running sequence, one forward per weight version in flight."""
+        while self.waiting and self.free:
+            seq = self.waiting.popleft()
+            seq.slot = self.free.pop(0)
+            logits = self._forward([seq], [seq.prompt], [list(range(len(seq.prompt)))], capture)
+            self._append(seq, logits[0, -1])
+            self.running.append(seq)
+        self._reap()
+        if self.waiting and self.free:
+            return  # let waiting sequences join before the next decode step
+        groups: dict[int, list[_Seq]] = {}
+        for q in self.running:
+            groups.setdefault(q.request.version, []).append(q)
+        for seqs in groups.values():
+            logits = self._forward(seqs, [[q.tokens[-1]] for q in seqs],
+                                   [[len(q.prompt) + len(q.tokens) - 1] for q in seqs], capture)
+            for q, row in zip(seqs, logits[:, 0]):
                 self._append(q, row)
-        return done
+        self._reap()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
 CHARS = list("0123456789+=")
@@ -21,6 +21,8 @@ PAD, BOS, EOS = 0, 1, 2
 def build_tokenizer() -> Tokenizer:
     tok = Tokenizer(models.WordLevel({s: i for i, s in enumerate(VOCAB)}, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.add_special_tokens(SPECIALS)  # "<bos>" in a text prompt is one token; decode skips specials
+    tok.decoder = decoders.Fuse()  # characters back to a string, no separators
     return tok
 
 

@@ -54,8 +54,25 @@ class TrainConfig:
         return cls(**d)
 
 
+class LocalRollout:
+    """The in-process rollout: a RolloutEngine over the policy's own weight dict (updated in place)."""
+
+    def __init__(self, engine: RolloutEngine):
+        self.engine = engine
+
+    def generate(self, prompts: list, params: SamplingParams) -> list:
+        return self.engine.generate(prompts, params)
+
+    def update(self, weights: dict, version: int) -> None:
+        self.engine.weight_version = version  # the engine reads the same dict the learner re-quantized
+
+
 class Trainer:
-    def __init__(self, cfg: TrainConfig):
+    """One GRPO learner. `rollout` is where completions come from: anything with generate(prompts,
+    params) -> [Completion] and update(weights, version) (the learner service passes its remote replicas);
+    by default an in-process RolloutEngine over the same weights."""
+
+    def __init__(self, cfg: TrainConfig, rollout=None):
         cfg.grpo.validate()
         if cfg.backward not in ("ste", "nvfp4"):
             raise ValueError(f"backward must be 'ste' or 'nvfp4', got {cfg.backward!r}")
@@ -72,7 +89,12 @@ class Trainer:
         if cfg.rollout_knobs:  # a misaligned rollout engine over the same weights
             rollout_model = load_model(cfg.model_dir, precision=cfg.precision, knobs=cfg.rollout_knobs)
             rollout_model.w = self.policy.w
-        self.engine = RolloutEngine(rollout_model, max_slots=64, max_seq_len=self.policy.cfg.max_position_embeddings)
+        self.engine = None
+        if rollout is None:
+            self.engine = RolloutEngine(rollout_model, max_slots=64, max_seq_len=self.policy.cfg.max_position_embeddings)
+            rollout = LocalRollout(self.engine)
+        self.rollout = rollout
+        self.last_drift = None  # (per-token |Δlogp| tensor, DriftStats) of the last step
         self.learner = Learner(self.policy)
         # the frozen reference policy of the KL penalty (only when beta > 0)
         self.reference = Learner(load_model(cfg.model_dir, precision=cfg.precision)) if cfg.grpo.beta > 0 else None
@@ -95,16 +117,19 @@ class Trainer:
                 else:
                     self.policy.w[n] = m.detach().to(self.policy.dtype)
         self.version += 1
-        self.engine.weight_version = self.version
+        self.rollout.update(self.policy.w, self.version)
 
     def step(self) -> dict:
         cfg, g = self.cfg, self.cfg.grpo
         t0 = time.perf_counter()
         problems = [self.task.sample() for _ in range(cfg.prompts_per_step)]
         prompts = [self.task.prompt_ids(a, b) for a, b in problems]
-        outs = self.engine.generate(prompts, SamplingParams(
+        outs = self.rollout.generate(prompts, SamplingParams(
             max_tokens=g.max_completion_length, temperature=g.temperature, n=g.num_generations,
             seed=cfg.seed * 1_000_003 + self.step_idx, stop_token_ids=(EOS,)))
+        stale = {o.weight_version for o in outs} - {self.version}
+        if stale:  # off-policy by construction: the caller must re-sync the rollout and retry
+            raise RuntimeError(f"rollout sampled with weight version(s) {sorted(stale)}, the learner is at {self.version}")
         t_rollout = time.perf_counter() - t0
         rewards = torch.tensor([self.task.reward(*problems[o.request_index], o.token_ids) for o in outs])
         adv = group_advantages(rewards, g.num_generations, g.scale_rewards)
@@ -139,6 +164,7 @@ class Trainer:
         self.step_idx += 1
 
         drift = drift_stats([o.logprobs for o in outs], [lp.detach() for lp in lps])
+        self.last_drift = (torch.cat([(lp.detach() - o.logprobs).abs() for o, lp in zip(outs, lps)]), drift)
         tokens = int(mask.sum())
         seconds = time.perf_counter() - t0
         metrics.update({
@@ -154,7 +180,7 @@ class Trainer:
         """Greedy mean reward and accuracy on a fixed set of n problems (the same before and after training)."""
         probe = AdditionTask(self.cfg.digits, self.cfg.partial_credit, seed=seed)
         problems = [probe.sample() for _ in range(n)]
-        outs = self.engine.generate([probe.prompt_ids(a, b) for a, b in problems], SamplingParams(
+        outs = self.rollout.generate([probe.prompt_ids(a, b) for a, b in problems], SamplingParams(
             max_tokens=self.cfg.grpo.max_completion_length, temperature=0.0, stop_token_ids=(EOS,)))
         rewards = [probe.reward(*problems[o.request_index], o.token_ids) for o in outs]
         return {"eval/reward": sum(rewards) / n, "eval/accuracy": sum(r == 1.0 for r in rewards) / n}
@@ -191,18 +217,20 @@ class Trainer:
         self.step_idx = meta["step"]
         torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8))
         self.task.rng.setstate(ast.literal_eval(meta["task_rng"]))
-        self.sync_weights()
-        self.version = meta["weight_version"]
-        self.engine.weight_version = self.version
+        self.version = meta["weight_version"] - 1
+        self.sync_weights()  # back to the saved version, on the rollout side too
 
 
-def run(cfg: TrainConfig, *, resume: bool = False, progress=True, log=print) -> list[dict]:
+def run(cfg: TrainConfig, *, resume: bool = False, progress=True, rollout=None, on_step=None,
+        trainer: Trainer | None = None, retry=None, stop=None) -> list[dict]:
     """Train for cfg.steps steps (continuing from run_dir's checkpoint with resume), writing
     metrics.jsonl, checkpoints, summary.json (greedy reward on fixed problems before and after) and
-    reward_drift.png to cfg.run_dir. Returns the metrics of each step."""
+    reward_drift.png to cfg.run_dir. Returns the metrics of each step. For the learner service:
+    `rollout` (see Trainer), `on_step(trainer, metrics)` after every step, `retry(exc) -> bool` to take
+    the step again after a failure it recognizes (a rollout replica down), `stop() -> bool` to end early."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(cfg)
+    trainer = trainer or Trainer(cfg, rollout)
     metrics_file = run_dir / "metrics.jsonl"
     if resume and (run_dir / "checkpoint" / "trainer.json").exists():
         trainer.load(run_dir / "checkpoint")
@@ -219,9 +247,16 @@ def run(cfg: TrainConfig, *, resume: bool = False, progress=True, log=print) -> 
     bar = _progress(progress)
     with bar:
         task = bar.add_task("GRPO", total=cfg.steps, completed=trainer.step_idx)
-        while trainer.step_idx < cfg.steps:
-            m = trainer.step()
+        while trainer.step_idx < cfg.steps and not (stop is not None and stop()):
+            try:
+                m = trainer.step()
+            except Exception as e:
+                if retry is not None and retry(e):
+                    continue
+                raise
             history.append(m)
+            if on_step is not None:
+                on_step(trainer, m)
             with metrics_file.open("a") as f:
                 f.write(json.dumps(m) + "\n")
             bar.update(task, completed=trainer.step_idx, description=(

@@ -1,0 +1,1 @@
+"""Grafana provisioning and the miniTE dashboard; `panels` reads the dashboard's queries."""

@@ -1,0 +1,94 @@
+"""gRPC plumbing both services share: the server (message limits, health checking, reflection, TLS),
+the shared-token check, and client channels.
+
+Auth: methods listed as protected need the metadata `authorization: Bearer <token>`; a missing or
+wrong token is refused with UNAUTHENTICATED and logged with the method and peer, never the token.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from .settings import MB
+
+log = logging.getLogger("minite.auth")
+
+
+def token_ok(expected: str | None, header: str | None) -> bool:
+    """Does an `authorization` value carry the expected token? (No token configured: everything passes.)"""
+    if expected is None:
+        return True
+    if not header or not header.startswith("Bearer "):
+        return False
+    return hmac.compare_digest(header[len("Bearer "):].encode(), expected.encode())
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    def __init__(self, token: str | None, protected: set[str]):
+        self.token, self.protected = token, protected
+
+    def intercept_service(self, continuation, details):
+        if self.token is None or details.method not in self.protected:
+            return continuation(details)
+        header = dict(details.invocation_metadata).get("authorization")
+        if token_ok(self.token, header):
+            return continuation(details)
+        reason = "missing" if not header else "wrong"
+        log.warning("refused %s: %s token", details.method, reason)
+        handler = continuation(details)
+
+        def deny(_request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{reason} token: {details.method} needs "
+                          "'authorization: Bearer <token>' metadata")
+        if handler is not None and handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(deny)
+        if handler is not None and handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(deny)
+        if handler is not None and handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(deny)
+        return grpc.unary_unary_rpc_method_handler(deny)
+
+
+def message_options(max_mb: int) -> list[tuple[str, int]]:
+    return [("grpc.max_receive_message_length", max_mb * MB), ("grpc.max_send_message_length", max_mb * MB)]
+
+
+def make_server(settings, service_names: list[str], add_servicers, *, protected: set[str], workers: int = 32):
+    """A started gRPC server on settings.host:settings.grpc_port with health (SERVING for every service)
+    and reflection; `add_servicers(server)` registers ours. Returns (server, bound port, health servicer)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
+                         interceptors=[TokenInterceptor(settings.token, protected)],
+                         options=message_options(settings.max_message_mb), maximum_concurrent_rpcs=4 * workers)
+    add_servicers(server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(service_names + [health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    address = f"{settings.host}:{settings.grpc_port}"
+    if settings.tls_cert:
+        creds = grpc.ssl_server_credentials([(settings.tls_key.read_bytes(), settings.tls_cert.read_bytes())])
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"cannot listen on {address} (port in use?)")
+    server.start()
+    for name in service_names + [""]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, port, health_servicer
+
+
+def channel(address: str, settings) -> grpc.Channel:
+    """A client channel to another miniTE service, TLS when settings.tls_ca is set."""
+    opts = message_options(settings.max_message_mb)
+    if settings.tls_ca:
+        return grpc.secure_channel(address, grpc.ssl_channel_credentials(settings.tls_ca.read_bytes()), options=opts)
+    return grpc.insecure_channel(address, options=opts)
+
+
+def auth_metadata(settings) -> tuple:
+    return (("authorization", f"Bearer {settings.token}"),) if settings.token else ()

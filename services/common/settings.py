@@ -1,0 +1,111 @@
+"""Service settings: pydantic-settings models read from environment variables (prefix MINITE_) and from
+the `minite rollout|learner|up` command line (kebab-case flags), validated with messages that say what
+is wrong. The shared token is a SecretStr: it never appears in a repr, a log line or a metric; prefer
+the MINITE_AUTH_TOKEN environment variable to a flag (flags are visible in `ps`)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
+
+MB = 1 << 20
+
+
+class _Common(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MINITE_", cli_kebab_case=True, cli_implicit_flags=True,
+                                      cli_exit_on_error=False, extra="ignore")
+
+    model_dir: Path = Field(Path("runs/tiny-model"), description="HF checkpoint directory (config.json, *.safetensors)")
+    precision: str = Field("nvfp4", description="nvfp4 (W4A4), bf16 or fp32")
+    backend: str = Field("torch", description="kernel backend: torch or triton")
+    device: str = Field("cpu", description="torch device, e.g. cpu or cuda")
+    host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 in containers)")
+    auth_token: SecretStr | None = Field(None, description="shared token for weight pushes and learner control "
+                                                         "(env MINITE_AUTH_TOKEN); unset: no auth")
+    tls_cert: Path | None = Field(None, description="PEM certificate: serve gRPC and HTTP over TLS")
+    tls_key: Path | None = Field(None, description="PEM private key for --tls-cert")
+    tls_ca: Path | None = Field(None, description="CA bundle that clients use to verify peers (learner -> rollout)")
+    max_message_mb: int = Field(8, ge=1, le=64, description="gRPC message size limit, MiB, both directions")
+    log_level: str = Field("info", description="debug, info, warning or error")
+
+    @field_validator("precision")
+    @classmethod
+    def _precision(cls, v):
+        if v not in ("nvfp4", "bf16", "fp32"):
+            raise ValueError(f"precision must be nvfp4, bf16 or fp32, not {v!r}")
+        return v
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, v):
+        if v not in ("torch", "triton"):
+            raise ValueError(f"backend must be torch or triton, not {v!r}")
+        return v
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, v):
+        if v.lower() not in ("debug", "info", "warning", "error"):
+            raise ValueError(f"log_level must be debug, info, warning or error, not {v!r}")
+        return v.lower()
+
+    @model_validator(mode="after")
+    def _tls_pair(self):
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: give both or neither")
+        for p in (self.tls_cert, self.tls_key, self.tls_ca):
+            if p is not None and not p.is_file():
+                raise ValueError(f"TLS file {p} does not exist")
+        return self
+
+    @property
+    def token(self) -> str | None:
+        return self.auth_token.get_secret_value() if self.auth_token else None
+
+
+class RolloutSettings(_Common):
+    grpc_port: int = Field(50051, ge=0, le=65535, description="gRPC port (0: pick a free one)")
+    http_port: int = Field(8000, ge=0, le=65535, description="REST, /metrics and /health port")
+    model_name: str = Field("minite-tiny", description="the model name the APIs report and accept")
+    max_slots: int = Field(16, ge=1, le=4096, description="KV-cache slots: sequences decoded together")
+    max_seq_len: int | None = Field(None, ge=2, description="KV-cache length (default: the model's context, at most 4096)")
+    max_waiting: int = Field(256, ge=1, description="queued sequences beyond which requests get 429 / RESOURCE_EXHAUSTED")
+    max_tokens_limit: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
+    max_n: int = Field(64, ge=1, description="largest n (samples per request)")
+
+
+class LearnerSettings(_Common):
+    grpc_port: int = Field(50052, ge=0, le=65535, description="gRPC port (0: pick a free one)")
+    http_port: int = Field(8001, ge=0, le=65535, description="REST, /metrics and /health port")
+    rollout: list[str] = Field(default_factory=list, description="rollout replica gRPC address host:port (repeat the flag)")
+    run_dir: Path = Field(Path("runs/learner"), description="metrics.jsonl, checkpoints and the plot")
+    steps: int = Field(150, ge=0, description="GRPO steps to run (0: serve Score/Status only)")
+    prompts_per_step: int = Field(16, ge=1)
+    num_generations: int = Field(8, ge=2, description="completions per prompt (GRPO group size)")
+    learning_rate: float = Field(5e-4, gt=0)
+    seed: int = 0
+    chunk_mb: float = Field(2.0, ge=1.0, le=4.0, description="weight-push message size, MiB")
+    exit_when_done: bool = Field(False, description="stop the service after the last step")
+
+    @field_validator("rollout")
+    @classmethod
+    def _addresses(cls, v):
+        for a in v:
+            host, _, port = a.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"rollout address {a!r} is not host:port")
+        return v
+
+
+def parse(cls, argv: list[str], prog: str):
+    """Settings from the environment and `argv`; on bad input print what is wrong and exit 2."""
+    try:
+        return cls(_cli_parse_args=argv, _cli_prog_name=prog)
+    except ValidationError as e:
+        lines = [f"  {'.'.join(str(x) for x in err['loc']) or 'settings'}: {err['msg']}" for err in e.errors()]
+        print(f"{prog}: invalid settings\n" + "\n".join(lines), file=sys.stderr)
+    except SettingsError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+    raise SystemExit(2)

@@ -1,0 +1,194 @@
+"""Weights on the wire: a full weight set as a stream of `UpdateWeightsRequest` messages, and the
+receiver that checks and assembles it.
+
+An NVFP4 weight travels packed, exactly as both engines hold it: the parts "data" (uint8, two e2m1
+codes per byte), "scale" (float8_e4m3fn, one per 16 values) and "global_scale" (float32), about
+4.5 bits per value; a plain tensor travels as its bf16/fp32 bytes. A part larger than one message is
+split into chunks (1-4 MiB); every chunk carries the CRC-32 of its whole part, checked once the part
+is complete. The stream is UpdateBegin, the chunks, UpdateEnd; the receiver builds the new weight set
+beside the serving one and hands it over only after UpdateEnd with every tensor present and verified,
+so a bad or cut stream leaves nothing half applied.
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from minite.v1 import rollout_pb2 as pb
+from minite_core.nvfp4 import NVFP4Tensor
+
+FORMATS = {"nvfp4": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
+PART_DTYPES = {"data": torch.uint8, "scale": torch.float8_e4m3fn, "global_scale": torch.float32}
+
+
+class WeightError(ValueError):
+    """A weight push that cannot be applied; the message says which tensor and why."""
+
+
+def describe(t) -> tuple[str, tuple[int, ...]]:
+    """(format, logical shape) of a weight as the wire names it."""
+    if isinstance(t, NVFP4Tensor):
+        return "nvfp4", tuple(t.shape)
+    for name, dt in FORMATS.items():
+        if dt is not None and t.dtype == dt:
+            return name, tuple(t.shape)
+    raise WeightError(f"cannot send a {t.dtype} tensor (formats: nvfp4, bfloat16, float32)")
+
+
+def _parts(t) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(t, NVFP4Tensor):
+        return [("data", t.data), ("scale", t.scale), ("global_scale", t.global_scale)]
+    return [("data", t)]
+
+
+def _as_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().contiguous().cpu()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def encode_update(weights: dict, version: int, *, abort_in_flight: bool = False, chunk_bytes: int = 2 << 20):
+    """Yield the messages of one full weight push (tensors in name order)."""
+    yield pb.UpdateWeightsRequest(begin=pb.UpdateBegin(
+        version=version, num_tensors=len(weights),
+        mode=pb.UPDATE_MODE_ABORT_IN_FLIGHT if abort_in_flight else pb.UPDATE_MODE_FINISH_IN_FLIGHT))
+    for name in sorted(weights):
+        t = weights[name]
+        fmt, shape = describe(t)
+        for part, tensor in _parts(t):
+            raw = _as_bytes(tensor)
+            crc = zlib.crc32(raw)
+            for off in range(0, max(len(raw), 1), chunk_bytes):
+                yield pb.UpdateWeightsRequest(chunk=pb.TensorChunk(
+                    name=name, format=fmt, shape=shape, part=part, part_shape=tuple(tensor.shape), offset=off,
+                    part_bytes=len(raw), payload=raw[off:off + chunk_bytes], crc32=crc))
+    yield pb.UpdateWeightsRequest(end=pb.UpdateEnd())
+
+
+def push_bytes(weights: dict) -> int:
+    """Bytes of tensor payload one push carries."""
+    return sum(p.numel() * p.element_size() for t in weights.values() for _, p in _parts(t))
+
+
+def _expected_parts(fmt: str, shape: tuple) -> dict[str, list[tuple]]:
+    """Allowed part shapes of a tensor of this format and shape."""
+    if fmt != "nvfp4":
+        return {"data": [shape]}
+    lead, k = shape[:-1], shape[-1]
+    return {"data": [lead + (k // 2,)], "scale": [lead + (k // 16,)], "global_scale": [(), lead + (1,)]}
+
+
+class WeightAssembler:
+    """Receives one push against `expected` = {name: (format, shape)} (the serving model's weights) and
+    the serving version; `feed` each message, then `result()` -> (version, abort_in_flight, weights).
+    Raises WeightError naming the problem at the first bad message."""
+
+    def __init__(self, expected: dict[str, tuple[str, tuple]], serving_version: int):
+        self.expected, self.serving = expected, serving_version
+        self.begin = None
+        self.ended = False
+        self.bytes = 0
+        self.parts: dict[tuple[str, str], dict] = {}  # (name, part) -> {"buf", "filled", "crc", "shape"}
+        self.tensors: dict[str, object] = {}
+
+    def feed(self, msg) -> None:
+        kind = msg.WhichOneof("kind")
+        if kind is None:
+            raise WeightError("empty UpdateWeightsRequest (no begin, chunk or end)")
+        if self.ended:
+            raise WeightError("message after UpdateEnd")
+        if kind == "begin":
+            if self.begin is not None:
+                raise WeightError("a second UpdateBegin in one stream")
+            b = msg.begin
+            if b.version <= self.serving:
+                raise WeightError(f"stale weight version {b.version}: serving version {self.serving}")
+            if b.num_tensors != len(self.expected):
+                raise WeightError(f"UpdateBegin announces {b.num_tensors} tensors; the model has {len(self.expected)}")
+            self.begin = b
+            return
+        if self.begin is None:
+            raise WeightError("the stream must start with UpdateBegin")
+        if kind == "end":
+            self.ended = True
+            return
+        self._chunk(msg.chunk)
+
+    def _chunk(self, c) -> None:
+        if c.name not in self.expected:
+            raise WeightError(f"unknown tensor {c.name!r}")
+        fmt, shape = self.expected[c.name]
+        if c.format != fmt:
+            raise WeightError(f"{c.name}: format {c.format!r}, the model holds {fmt!r}")
+        if tuple(c.shape) != tuple(shape):
+            raise WeightError(f"{c.name}: shape {tuple(c.shape)}, the model holds {tuple(shape)}")
+        allowed = _expected_parts(fmt, tuple(shape))
+        if c.part not in allowed:
+            raise WeightError(f"{c.name}: unknown part {c.part!r} for format {fmt} (parts: {sorted(allowed)})")
+        if c.name in self.tensors:
+            raise WeightError(f"{c.name}: sent twice")
+        key = (c.name, c.part)
+        st = self.parts.get(key)
+        if st is None:
+            if tuple(c.part_shape) not in allowed[c.part]:
+                raise WeightError(f"{c.name}.{c.part}: shape {tuple(c.part_shape)}, expected one of {allowed[c.part]}")
+            dtype = FORMATS[fmt] if c.part == "data" and fmt != "nvfp4" else PART_DTYPES[c.part]
+            n = 1
+            for d in c.part_shape:
+                n *= d
+            size = n * torch.empty((), dtype=dtype).element_size()
+            if c.part_bytes != size:
+                raise WeightError(f"{c.name}.{c.part}: {c.part_bytes} bytes announced, {size} expected")
+            st = self.parts[key] = {"buf": bytearray(size), "filled": 0, "crc": c.crc32, "shape": tuple(c.part_shape),
+                                    "dtype": dtype}
+        if c.crc32 != st["crc"] or c.part_bytes != len(st["buf"]) or tuple(c.part_shape) != st["shape"]:
+            raise WeightError(f"{c.name}.{c.part}: chunks disagree on the part's size, shape or checksum")
+        if c.offset != st["filled"]:
+            raise WeightError(f"{c.name}.{c.part}: chunk at offset {c.offset}, expected {st['filled']} (chunks in order)")
+        end = c.offset + len(c.payload)
+        if end > len(st["buf"]):
+            raise WeightError(f"{c.name}.{c.part}: chunk runs past the part's {len(st['buf'])} bytes")
+        st["buf"][c.offset:end] = c.payload
+        st["filled"] = end
+        self.bytes += len(c.payload)
+        if end == len(st["buf"]):
+            if zlib.crc32(st["buf"]) != st["crc"]:
+                raise WeightError(f"{c.name}.{c.part}: checksum mismatch (corrupted in transit)")
+            self._maybe_complete(c.name, fmt, tuple(shape))
+
+    def _maybe_complete(self, name: str, fmt: str, shape: tuple) -> None:
+        names = _expected_parts(fmt, shape)
+        got = {}
+        for part in names:
+            st = self.parts.get((name, part))
+            if st is None or st["filled"] != len(st["buf"]):
+                return
+            got[part] = torch.frombuffer(st["buf"], dtype=torch.uint8).view(st["dtype"]).reshape(st["shape"]) \
+                if st["buf"] else torch.empty(st["shape"], dtype=st["dtype"])
+        for part in names:
+            del self.parts[(name, part)]
+        if fmt == "nvfp4":
+            gs = got["global_scale"]
+            if not bool(torch.isfinite(gs).all()) or not bool((gs > 0).all()):
+                raise WeightError(f"{name}: global scale must be finite and > 0")
+            if bool(torch.isnan(got["scale"].float()).any()):
+                raise WeightError(f"{name}: NaN block scale")
+            try:
+                self.tensors[name] = NVFP4Tensor(got["data"], got["scale"], gs, shape)
+            except ValueError as e:
+                raise WeightError(f"{name}: {e}") from None
+        else:
+            t = got["data"]
+            if not bool(torch.isfinite(t.float()).all()):
+                raise WeightError(f"{name}: contains NaN or Inf")
+            self.tensors[name] = t
+
+    def result(self) -> tuple[int, bool, dict]:
+        if self.begin is None:
+            raise WeightError("empty stream: no UpdateBegin")
+        if not self.ended:
+            raise WeightError("stream ended without UpdateEnd (truncated push)")
+        missing = sorted(set(self.expected) - set(self.tensors))
+        if missing:
+            raise WeightError(f"{len(missing)} tensor(s) missing or incomplete, e.g. {missing[0]!r}")
+        return self.begin.version, self.begin.mode == pb.UPDATE_MODE_ABORT_IN_FLIGHT, self.tensors

@@ -1,0 +1,48 @@
+"""minite.v1.LearnerService over gRPC: SubmitTrajectories (needs the token), Score, Status."""
+from __future__ import annotations
+
+import grpc
+
+from minite.v1 import learner_pb2 as pb
+from minite.v1 import learner_pb2_grpc as pb_grpc
+
+from .runtime import LearnerRuntime, StaleVersion
+
+PROTECTED = {"/minite.v1.LearnerService/SubmitTrajectories"}
+MAX_TRAJECTORIES = 4096  # per call: bounded memory
+
+
+class LearnerServicer(pb_grpc.LearnerServiceServicer):
+    def __init__(self, runtime: LearnerRuntime):
+        self.rt = runtime
+
+    def SubmitTrajectories(self, request_iterator, context):
+        batch = []
+        for t in request_iterator:
+            if len(batch) == MAX_TRAJECTORIES:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"more than {MAX_TRAJECTORIES} trajectories in one call")
+            batch.append({"prompt_ids": list(t.prompt_ids), "completion_ids": list(t.completion_ids),
+                          "rollout_logprobs": list(t.rollout_logprobs), "reward": t.reward,
+                          "weight_version": t.weight_version, "temperature": t.temperature})
+        try:
+            stats = self.rt.submit(batch)
+        except StaleVersion as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.SubmitSummary(accepted=len(batch), tokens=stats.tokens, logprob_abs_diff_max=stats.max_abs_diff,
+                                kl_k3=stats.kl_k3, bitwise_equal_ratio=stats.bitwise_equal_ratio)
+
+    def Score(self, request, context):
+        try:
+            lps, version = self.rt.score(list(request.prompt_ids), list(request.completion_ids), request.temperature)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.ScoreResponse(logprobs=lps, weight_version=version)
+
+    def Status(self, request, context):
+        s = self.rt.status()
+        return pb.StatusResponse(step=s["step"], weight_version=s["weight_version"], total_steps=s["total_steps"],
+                                 running=s["running"], done=s["done"], reward_mean=s["reward_mean"],
+                                 logprob_abs_diff_max=s["logprob_abs_diff_max"],
+                                 rollout_replicas=s["rollout_replicas"], last_error=s["last_error"])

@@ -1,0 +1,55 @@
+"""`minite learner`: the learner service process (GRPO loop + gRPC + REST + /metrics)."""
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+
+from grpc_health.v1 import health_pb2
+
+from minite.v1 import learner_pb2, learner_pb2_grpc
+
+from ..common import rpc
+from ..common.serve import run_http, setup_logging
+from ..common.settings import LearnerSettings, parse
+from .grpc_api import PROTECTED, LearnerServicer
+from .rest import build_app
+from .runtime import LearnerRuntime
+
+log = logging.getLogger("minite.learner")
+SERVICE = learner_pb2.DESCRIPTOR.services_by_name["LearnerService"].full_name
+
+
+def serve(settings: LearnerSettings) -> None:
+    setup_logging(settings.log_level)
+    runtime = LearnerRuntime(settings)
+    server, port, health = rpc.make_server(
+        settings, [SERVICE], lambda s: learner_pb2_grpc.add_LearnerServiceServicer_to_server(LearnerServicer(runtime), s),
+        protected=PROTECTED)
+
+    def ready(http):
+        http_port = http.servers[0].sockets[0].getsockname()[1] if http.servers else settings.http_port
+        print(f"minite-learner ready grpc={port} http={http_port} weight_version={runtime.version}", flush=True)
+        runtime.start()
+        if settings.exit_when_done:  # `minite up`: end the process once training is over
+            def watch():
+                runtime.thread.join()
+                http.should_exit = True
+            threading.Thread(target=watch, daemon=True).start()
+    try:
+        run_http(build_app(runtime), settings, on_ready=ready)
+    finally:
+        for name in (SERVICE, ""):
+            health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        runtime.stop()
+        server.stop(grace=5).wait()
+
+
+def main(argv: list[str]) -> int:
+    settings = parse(LearnerSettings, argv, "minite learner")
+    try:
+        serve(settings)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:  # start-up problems: a model dir, a port, a flag
+        print(f"minite learner: error: {e}", file=sys.stderr)
+        return 2
+    return 0

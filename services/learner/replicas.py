@@ -1,0 +1,134 @@
+"""The learner's view of its rollout replicas: generation spread across them and weight versions
+fanned out to all of them, over gRPC.
+
+`generate` splits the prompts round-robin over the healthy replicas and calls Generate concurrently
+(one thread per request, bounded); `update` pushes a weight version to every replica at once (the
+packed tensors are serialized once; each replica gets its own stream). A replica that is down is
+reported and retried on the next call; with no replica reachable, calls raise ReplicaError and the
+learner loop waits and reports instead of crashing.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import torch
+
+from minite.v1 import rollout_pb2 as pb
+from minite.v1 import rollout_pb2_grpc as pb_grpc
+from minite_core.engine import Completion, SamplingParams
+
+from ..common import rpc
+from ..common.weights import encode_update
+
+log = logging.getLogger("minite.learner")
+
+
+class ReplicaError(RuntimeError):
+    """No rollout replica could serve the call."""
+
+
+class Replica:
+    def __init__(self, address: str, settings):
+        self.address = address
+        self.channel = rpc.channel(address, settings)
+        self.stub = pb_grpc.RolloutServiceStub(self.channel)
+        self.version = None  # the version this replica was last seen to serve
+        self.healthy = True
+
+
+class RemoteRollout:
+    def __init__(self, addresses: list[str], settings, metrics, *, timeout: float = 120.0):
+        if not addresses:
+            raise ValueError("the learner needs at least one rollout replica (--rollout host:port)")
+        self.settings, self.metrics, self.timeout = settings, metrics, timeout
+        self.replicas = [Replica(a, settings) for a in addresses]
+        self.pool = futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="replica")
+        self.chunk_bytes = int(settings.chunk_mb * (1 << 20))
+        self.weights = None  # the latest version, kept to re-push to a replica that comes back
+        self.version = 0
+        self.lock = threading.Lock()
+
+    # -- generation -----------------------------------------------------------------------------
+    def generate(self, prompts: list, params: SamplingParams) -> list[Completion]:
+        live = self._live()
+        calls = []
+        for r, prompt in enumerate(prompts):
+            rep = live[r % len(live)]
+            req = pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=prompt), params=pb.SamplingParams(
+                max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                seed=params.seed, stop_token_ids=list(params.stop_token_ids), n=params.n))
+            calls.append((r, rep, self.pool.submit(rep.stub.Generate, req, timeout=self.timeout)))
+        out = []
+        for r, rep, fut in calls:
+            try:
+                resp = fut.result()
+            except grpc.RpcError as e:
+                rep.healthy = False
+                raise ReplicaError(f"rollout {rep.address}: Generate failed: {e.code().name} {e.details()}") from None
+            for c in resp.choices:
+                out.append(Completion(list(resp.prompt_ids), list(c.token_ids), torch.tensor(list(c.logprobs), dtype=torch.float32),
+                                      c.finish_reason, c.weight_version, r, c.index))
+        return out
+
+    def _live(self) -> list[Replica]:
+        """Replicas that answer, each brought to the current weight version first."""
+        live = []
+        for rep in self.replicas:
+            try:
+                v = rep.stub.GetWeightVersion(pb.GetWeightVersionRequest(), timeout=5).version
+            except grpc.RpcError as e:
+                if rep.healthy:
+                    log.warning("rollout %s is not answering (%s)", rep.address, e.code().name)
+                rep.healthy = False
+                continue
+            if self.weights is not None and v != self.version:
+                log.warning("rollout %s serves version %d, the learner is at %d: re-pushing", rep.address, v, self.version)
+                try:
+                    self._push(rep, self.weights, self.version)
+                except grpc.RpcError as e:
+                    log.warning("re-push to %s failed: %s", rep.address, e.details())
+                    rep.healthy = False
+                    continue
+            if not rep.healthy:
+                log.info("rollout %s is back", rep.address)
+            rep.healthy = True
+            live.append(rep)
+        if not live:
+            raise ReplicaError("no rollout replica is reachable: " + ", ".join(r.address for r in self.replicas))
+        return live
+
+    # -- weights --------------------------------------------------------------------------------
+    def _push(self, rep: Replica, weights: dict, version: int) -> pb.UpdateWeightsResponse:
+        t0 = time.perf_counter()
+        resp = rep.stub.UpdateWeights(encode_update(weights, version, chunk_bytes=self.chunk_bytes),
+                                      metadata=rpc.auth_metadata(self.settings), timeout=self.timeout)
+        self.metrics.sync_seconds.observe(time.perf_counter() - t0)
+        self.metrics.sync_bytes.inc(resp.bytes)
+        rep.version = version
+        return resp
+
+    def update(self, weights: dict, version: int) -> None:
+        """Push `version` to every replica concurrently. The tensors are snapshotted (the learner mutates
+        its dict in place on the next step)."""
+        snapshot = {n: t for n, t in weights.items()}
+        with self.lock:
+            self.weights, self.version = snapshot, version
+        futs = {self.pool.submit(self._push, rep, snapshot, version): rep for rep in self.replicas}
+        ok = 0
+        for fut, rep in futs.items():
+            try:
+                fut.result()
+                ok += 1
+                rep.healthy = True
+            except grpc.RpcError as e:
+                rep.healthy = False
+                log.warning("push of version %d to %s failed: %s %s", version, rep.address, e.code().name, e.details())
+        if ok == 0:  # not fatal: a replica that comes back gets this version before it samples again
+            log.warning("weight version %d reached no rollout replica; will re-push when one answers", version)
+
+    def status(self) -> list[str]:
+        return [f"{r.address} ({'up' if r.healthy else 'down'}, version {r.version})" for r in self.replicas]

@@ -1,0 +1,174 @@
+"""The learner service's state: the GRPO Trainer over remote rollout replicas, run on a background
+thread, and the scoring both APIs offer.
+
+The loop waits for a rollout replica, then runs `minite_core.rl.trainer.run` (the same loop as
+`minite train`): each step pulls completions for task prompts from the replicas, scores them with the
+learner engine, records every token's drift, takes a GRPO step and pushes the re-quantized packed
+NVFP4 weights to every replica. A replica that is down makes the step wait and retry (reported in
+Status and the log), never crash. Score and SubmitTrajectories use the same learner engine under the
+same lock as the step, so they see one weight version at a time.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from minite_core.consistency import drift_stats
+from minite_core.rl.grpo import GRPOConfig
+from minite_core.rl.trainer import TrainConfig, Trainer, run
+
+from ..common.metrics import LearnerMetrics
+from .replicas import RemoteRollout, ReplicaError
+
+log = logging.getLogger("minite.learner")
+
+
+class StaleVersion(ValueError):
+    """Trajectories sampled at a weight version other than the learner's."""
+
+
+class _LockedTrainer(Trainer):
+    """A Trainer whose steps hold the runtime's lock (Score and SubmitTrajectories run between steps)."""
+
+    def __init__(self, cfg, rollout, lock):
+        self.lock = lock
+        super().__init__(cfg, rollout)
+
+    def step(self) -> dict:
+        with self.lock:
+            return super().step()
+
+
+class LearnerRuntime:
+    def __init__(self, settings, metrics: LearnerMetrics | None = None):
+        self.settings = settings
+        self.metrics = metrics or LearnerMetrics()
+        self.cfg = TrainConfig(model_dir=str(settings.model_dir), run_dir=str(settings.run_dir),
+                               precision=settings.precision, steps=settings.steps,
+                               prompts_per_step=settings.prompts_per_step, learning_rate=settings.learning_rate,
+                               seed=settings.seed, grpo=GRPOConfig(num_generations=settings.num_generations,
+                                                                   max_completion_length=4))
+        self.rollout = RemoteRollout(settings.rollout, settings, self.metrics)
+        self.lock = threading.RLock()  # one of: a GRPO step, a Score, a SubmitTrajectories batch
+        self.trainer = _LockedTrainer(self.cfg, self.rollout, self.lock)
+        self.metrics.weight_version.set(self.trainer.version)
+        self.last = {}
+        self.last_error = ""
+        self.running = self.done = False
+        self.paused = threading.Event()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="learner", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    @property
+    def version(self) -> int:
+        return self.trainer.version
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def _retry(self, e: Exception) -> bool:
+        if isinstance(e, ReplicaError) or (isinstance(e, RuntimeError) and "weight version" in str(e)):
+            self.last_error = str(e)
+            log.warning("step %d waits: %s", self.trainer.step_idx + 1, e)
+            self.stopping.wait(1.0)
+            return not self.stopping.is_set()
+        return False
+
+    def _stop(self) -> bool:
+        while self.paused.is_set() and not self.stopping.is_set():
+            time.sleep(0.1)
+        return self.stopping.is_set()
+
+    def _on_step(self, trainer, m: dict) -> None:
+        diffs, stats = trainer.last_drift
+        self.metrics.record_drift(diffs.tolist(), stats)
+        self.metrics.tokens.inc(m["tokens"])
+        self.metrics.steps.inc()
+        self.metrics.reward.set(m["reward"])
+        self.metrics.weight_version.set(trainer.version)
+        self.last = m
+        self.last_error = ""
+        log.info("step %d: reward %.3f, max |Δlogp| %g, %d tokens, weight version %d", m["step"], m["reward"],
+                 stats.max_abs_diff, m["tokens"], trainer.version)
+
+    def _loop(self) -> None:
+        while not self.stopping.is_set():  # wait for a replica before the first step
+            try:
+                self.rollout._live()
+                break
+            except ReplicaError as e:
+                self.last_error = str(e)
+                log.warning("waiting for a rollout replica: %s", e)
+                self.stopping.wait(1.0)
+        if self.stopping.is_set() or self.cfg.steps == 0:
+            self.done = True
+            return
+        self.running = True
+        try:
+            run(self.cfg, resume=True, progress=False, trainer=self.trainer, on_step=self._on_step,
+                retry=self._retry, stop=self._stop)
+            self.done = not self.stopping.is_set()
+            log.info("training finished: %d steps, weight version %d", self.trainer.step_idx, self.trainer.version)
+        except Exception as e:  # report, keep serving Score/Status
+            self.last_error = f"{type(e).__name__}: {e}"
+            log.exception("the training loop stopped")
+        finally:
+            self.running = False
+
+    # -- scoring ----------------------------------------------------------------------------------
+    def _check(self, prompt: list[int], completion: list[int]) -> None:
+        vocab = self.trainer.policy.cfg.vocab_size
+        if not prompt or not completion:
+            raise ValueError("prompt and completion token ids must be non-empty")
+        bad = [t for t in list(prompt) + list(completion) if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of the vocabulary [0, {vocab})")
+        if len(prompt) + len(completion) > self.trainer.policy.cfg.max_position_embeddings:
+            raise ValueError(f"{len(prompt) + len(completion)} tokens exceed the model's context of "
+                             f"{self.trainer.policy.cfg.max_position_embeddings}")
+
+    def score(self, prompt: list[int], completion: list[int], temperature: float = 1.0) -> tuple[list[float], int]:
+        self._check(prompt, completion)
+        if not temperature >= 0 or temperature != temperature or temperature == float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+        with self.lock, torch.no_grad():
+            lp = self.trainer.learner.logprobs(prompt, completion, temperature or 1.0)
+            return lp.tolist(), self.trainer.version
+
+    def submit(self, trajectories: list[dict]):
+        """Score trajectories sampled elsewhere at the learner's weights; record and return the drift."""
+        if not trajectories:
+            raise ValueError("no trajectories")
+        for i, t in enumerate(trajectories):
+            self._check(t["prompt_ids"], t["completion_ids"])
+            if len(t["rollout_logprobs"]) != len(t["completion_ids"]):
+                raise ValueError(f"trajectory {i}: {len(t['rollout_logprobs'])} logprobs for "
+                                 f"{len(t['completion_ids'])} completion tokens")
+        with self.lock, torch.no_grad():
+            for i, t in enumerate(trajectories):
+                if t["weight_version"] != self.trainer.version:
+                    raise StaleVersion(f"trajectory {i} was sampled at weight version {t['weight_version']}; "
+                                       f"the learner is at {self.trainer.version}")
+            mine = [self.trainer.learner.logprobs(t["prompt_ids"], t["completion_ids"], t["temperature"] or 1.0)
+                    for t in trajectories]
+        theirs = [torch.tensor(t["rollout_logprobs"], dtype=torch.float32) for t in trajectories]
+        stats = drift_stats(theirs, mine)
+        diffs = torch.cat([(a - b).abs() for a, b in zip(mine, theirs)])
+        self.metrics.record_drift(diffs.tolist(), stats)
+        return stats
+
+    def status(self) -> dict:
+        return {"step": self.trainer.step_idx, "weight_version": self.trainer.version, "total_steps": self.cfg.steps,
+                "running": self.running, "done": self.done, "paused": self.paused.is_set(),
+                "reward_mean": self.last.get("reward", 0.0),
+                "logprob_abs_diff_max": self.last.get("sampling/sampling_logp_difference/max", 0.0),
+                "rollout_replicas": self.rollout.status(), "last_error": self.last_error}
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout=30)

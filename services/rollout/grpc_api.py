@@ -1,0 +1,137 @@
+"""minite.v1.RolloutService over gRPC: Generate, GenerateStream, UpdateWeights, GetWeightVersion.
+
+Bad input -> INVALID_ARGUMENT, a full queue -> RESOURCE_EXHAUSTED, a stale or unsound weight push ->
+FAILED_PRECONDITION / INVALID_ARGUMENT (the serving weights stay as they were), a missing token ->
+UNAUTHENTICATED (rpc.TokenInterceptor). Deadlines: a request whose deadline passes is cancelled in the
+engine (its KV-cache slot freed) and ends DEADLINE_EXCEEDED; so does a client that goes away.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import grpc
+
+from minite.v1 import rollout_pb2 as pb
+from minite.v1 import rollout_pb2_grpc as pb_grpc
+from minite_core.engine import SamplingParams
+
+from ..common.weights import WeightAssembler, WeightError
+from .runtime import Overloaded, RolloutRuntime
+
+log = logging.getLogger("minite.rollout")
+PROTECTED = {"/minite.v1.RolloutService/UpdateWeights"}
+_DONE = object()
+
+
+def sampling_params(p: pb.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=p.max_tokens or 16,
+        temperature=p.temperature if p.HasField("temperature") else 1.0,
+        top_p=p.top_p if p.HasField("top_p") else 1.0,
+        top_k=p.top_k, seed=p.seed if p.HasField("seed") else None,
+        stop_token_ids=tuple(p.stop_token_ids), n=p.n or 1)
+
+
+class RolloutServicer(pb_grpc.RolloutServiceServicer):
+    def __init__(self, runtime: RolloutRuntime):
+        self.rt = runtime
+        self.update_lock = threading.Lock()  # one weight push at a time
+
+    def _prompt(self, request, context) -> list[int]:
+        if request.model and request.model != self.rt.settings.model_name:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {request.model!r}; this service serves "
+                          f"{self.rt.settings.model_name!r}")
+        which = request.WhichOneof("prompt")
+        if which == "prompt_ids":
+            return list(request.prompt_ids.ids)
+        if which == "text":
+            if self.rt.tokenizer is None:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "this model has no tokenizer: send prompt_ids")
+            return self.rt.tokenizer.encode(request.text).ids
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request has no prompt: set prompt_ids or text")
+
+    def _submit(self, request, context, on_token=None, on_done=None):
+        prompt = self._prompt(request, context)
+        try:
+            req = self.rt.submit(prompt, sampling_params(request.params), on_token=on_token, on_done=on_done)
+        except ValueError as e:
+            self.rt.metrics.requests.labels("grpc", "error").inc()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Overloaded as e:
+            self.rt.metrics.requests.labels("grpc", "error").inc()
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except RuntimeError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        context.add_callback(lambda: self.rt.cancel(req))  # the client went away or the deadline passed
+        return req
+
+    def _text(self, ids) -> str:
+        return self.rt.tokenizer.decode(list(ids)) if self.rt.tokenizer is not None else ""
+
+    def Generate(self, request, context):
+        finished = threading.Event()
+        req = self._submit(request, context, on_done=lambda r: finished.set())
+        remaining = context.time_remaining()
+        if not finished.wait(timeout=remaining if remaining is not None else None):
+            self.rt.cancel(req)
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the completion finished")
+        self.rt.metrics.requests.labels("grpc", "ok").inc()
+        choices = [pb.Choice(index=c.sample_index, token_ids=c.token_ids, logprobs=c.logprobs.tolist(),
+                             finish_reason=c.finish_reason, weight_version=c.weight_version,
+                             text=self._text(c.token_ids)) for c in req.completions()]
+        return pb.GenerateResponse(prompt_ids=req.prompt, choices=choices, weight_version=req.version,
+                                   model=self.rt.settings.model_name)
+
+    def GenerateStream(self, request, context):
+        events: queue.Queue = queue.Queue()
+        req = self._submit(request, context, on_token=lambda *a: events.put(a), on_done=lambda r: events.put(_DONE))
+        deadline = None if context.time_remaining() is None else time.monotonic() + context.time_remaining()
+        while True:
+            try:
+                ev = events.get(timeout=None if deadline is None else max(deadline - time.monotonic(), 0.0))
+            except queue.Empty:
+                self.rt.cancel(req)
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded while streaming")
+            if ev is _DONE:
+                break
+            i, tok, lp, finish = ev
+            yield pb.GenerateStreamResponse(index=i, token_id=tok, logprob=lp, finish_reason=finish or "",
+                                            weight_version=req.version, text=self._text([tok]))
+        for q in req.seqs:  # sequences that ended without a token of their own (aborted): say so
+            if q.finish == "abort":
+                yield pb.GenerateStreamResponse(index=q.sample_index, finish_reason="abort", weight_version=req.version)
+        self.rt.metrics.requests.labels("grpc", "ok").inc()
+
+    def UpdateWeights(self, request_iterator, context):
+        t0 = time.perf_counter()
+        m = self.rt.metrics
+        with self.update_lock:
+            asm = WeightAssembler(self.rt.expected, self.rt.version)
+            try:
+                for msg in request_iterator:
+                    asm.feed(msg)
+                version, abort, weights = asm.result()
+            except WeightError as e:
+                m.sync_rejected.inc()
+                log.warning("weight push refused: %s", e)
+                code = grpc.StatusCode.FAILED_PRECONDITION if "stale" in str(e) else grpc.StatusCode.INVALID_ARGUMENT
+                context.abort(code, f"weight push refused, still serving version {self.rt.version}: {e}")
+            # tensors for the model's device, then the swap (between two engine steps)
+            device = self.rt.engine.model.device
+            weights = {n: t.to(device) for n, t in weights.items()}
+            try:
+                aborted = self.rt.update_weights(weights, version, abort)
+            except ValueError as e:  # a concurrent newer push won
+                m.sync_rejected.inc()
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        seconds = time.perf_counter() - t0
+        m.sync_seconds.observe(seconds)
+        m.sync_bytes.inc(asm.bytes)
+        return pb.UpdateWeightsResponse(version=version, bytes=asm.bytes, tensors=len(weights), seconds=seconds,
+                                        aborted_sequences=aborted)
+
+    def GetWeightVersion(self, request, context):
+        return pb.WeightVersion(version=self.rt.version)

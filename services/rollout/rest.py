@@ -1,0 +1,272 @@
+"""The rollout service's REST API (FastAPI): OpenAI-compatible completions and chat completions.
+
+POST /v1/completions, POST /v1/chat/completions (logprobs, `stream: true` as server-sent events, seed,
+n, stop, plus vLLM's top_k and stop_token_ids), GET /v1/models, GET /v1/weight_version, GET /health,
+GET /metrics (Prometheus), the OpenAPI schema at /openapi.json. Every response carries the token ids
+of the prompt and of each completion (as vLLM's `return_token_ids`) and the weight version used (as
+SGLang's `weight_version`). Errors are OpenAI-shaped: {"error": {"message", "type", "code"}} with 400
+(bad request), 404 (unknown model), 429 (queue full), 503 (shutting down).
+
+The built-in model has no chat template: a chat prompt is its messages' contents concatenated, in order.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from minite_core.engine import SamplingParams
+
+from ..common.metrics import add_metrics_route
+from .runtime import Overloaded, RolloutRuntime
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, code: str = "invalid_request_error"):
+        self.status, self.message, self.code = status, message, code
+
+
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": code, "code": status}}, status_code=status)
+
+
+class _Sampling(BaseModel):
+    model: str | None = None
+    max_tokens: int = Field(16, description="tokens to sample per choice (>= 1)")
+    temperature: float = Field(1.0, description="0: greedy; logprobs are then reported at temperature 1")
+    top_p: float = 1.0
+    top_k: int = Field(0, description="vLLM extension: 0 keeps the whole vocabulary")
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+
+    @field_validator("temperature", "top_p")
+    @classmethod
+    def _finite(cls, v):
+        if not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, seed=self.seed, n=self.n,
+                              stop_token_ids=tuple(self.stop_token_ids or ()))
+
+    def stops(self) -> tuple[str, ...]:
+        s = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not x for x in s):
+            raise ApiError(400, "stop strings must be non-empty")
+        return tuple(s)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] = Field(..., description="text, or token ids")
+    logprobs: int | None = Field(None, description="include the sampled tokens' logprobs (any value >= 0)")
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=0, description="only the sampled token's logprob is available")
+
+
+def build_app(rt: RolloutRuntime) -> FastAPI:
+    app = FastAPI(title="miniTE rollout", version="1", description="OpenAI-compatible sampling with exact logprobs "
+                  "and weight versions (minite.v1.RolloutService over REST).")
+    add_metrics_route(app, rt.metrics.registry)
+    name = rt.settings.model_name
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        parts = [f"{'.'.join(str(x) for x in e['loc'] if x != 'body') or 'body'}: {e['msg']}" for e in exc.errors()]
+        rt.metrics.requests.labels("rest", "error").inc()
+        return _error(400, "; ".join(parts) or "invalid request", "invalid_request_error")
+
+    @app.exception_handler(ApiError)
+    async def _api(request: Request, exc: ApiError):
+        rt.metrics.requests.labels("rest", "error").inc()
+        return _error(exc.status, exc.message, exc.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return _error(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404 else "http_error")
+
+    def tokens_of(prompt) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        if rt.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: send the prompt as token ids")
+        return rt.tokenizer.encode(prompt).ids
+
+    def text_of(ids) -> str:
+        return rt.tokenizer.decode(list(ids)) if rt.tokenizer is not None else ""
+
+    def piece(tok: int) -> str:
+        return rt.tokenizer.id_to_token(tok) or "" if rt.tokenizer is not None else ""
+
+    async def start(body: _Sampling, prompt: list[int], events: asyncio.Queue | None):
+        """Submit; returns (request, a future done when every choice finished)."""
+        if body.model not in (None, "", name):
+            raise ApiError(404, f"unknown model {body.model!r}; this service serves {name!r}", "model_not_found")
+        loop = asyncio.get_running_loop()
+        finished = loop.create_future()
+        on_token = (lambda *a: loop.call_soon_threadsafe(events.put_nowait, a)) if events is not None else None
+
+        def on_done(r):
+            loop.call_soon_threadsafe(lambda: finished.done() or finished.set_result(r))
+        try:
+            req = await asyncio.to_thread(rt.submit, prompt, body.sampling(), on_token=on_token, on_done=on_done,
+                                          stop=body.stops())
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        except Overloaded as e:
+            raise ApiError(429, str(e), "rate_limit_error") from None
+        except RuntimeError as e:
+            raise ApiError(503, str(e), "service_unavailable") from None
+        return req, finished
+
+    async def wait(req, finished, request: Request):
+        while not finished.done():  # cancel the work if the client hangs up
+            if await request.is_disconnected():
+                rt.cancel(req)
+                raise ApiError(499, "client closed the request")
+            await asyncio.wait({finished}, timeout=0.25)
+        rt.metrics.requests.labels("rest", "ok").inc()
+
+    def usage(req) -> dict:
+        gen = sum(len(q.tokens) for q in req.seqs)
+        return {"prompt_tokens": len(req.prompt), "completion_tokens": gen, "total_tokens": len(req.prompt) + gen}
+
+    def trim(text: str, stops) -> str:
+        for s in stops:
+            if s in text:
+                text = text[: text.index(s)]
+        return text
+
+    async def sse(kind: str, body, req, events: asyncio.Queue, request: Request):
+        rid, created = f"{'cmpl' if kind == 'cmpl' else 'chatcmpl'}-{uuid.uuid4().hex[:16]}", int(time.time())
+        obj = "text_completion" if kind == "cmpl" else "chat.completion.chunk"
+        remaining = {q.sample_index for q in req.seqs}
+        try:
+            while remaining:
+                try:
+                    i, tok, lp, finish = await asyncio.wait_for(events.get(), timeout=0.25)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        rt.cancel(req)
+                        return
+                    if all(q.finish for q in req.seqs) and events.empty():  # aborted without a last token
+                        for q in req.seqs:
+                            if q.sample_index in remaining:
+                                remaining.discard(q.sample_index)
+                                yield _chunk(rid, obj, created, name, kind, q.sample_index, None, None, q.finish, req)
+                    continue
+                if finish:
+                    remaining.discard(i)
+                yield _chunk(rid, obj, created, name, kind, i, tok, lp, finish, req, text_of([tok]), piece(tok), body)
+            rt.metrics.requests.labels("rest", "ok").inc()
+            yield "data: [DONE]\n\n"
+        finally:
+            if not all(q.finish for q in req.seqs):
+                rt.cancel(req)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        if isinstance(body.prompt, str) and not body.prompt:
+            raise ApiError(400, "prompt is empty")
+        if body.logprobs is not None and body.logprobs < 0:
+            raise ApiError(400, "logprobs must be >= 0")
+        prompt = tokens_of(body.prompt)
+        events = asyncio.Queue() if body.stream else None
+        req, finished = await start(body, prompt, events)
+        if body.stream:
+            return StreamingResponse(sse("cmpl", body, req, events, request), media_type="text/event-stream")
+        await wait(req, finished, request)
+        stops = body.stops()
+        choices = []
+        for c in req.completions():
+            text = trim(text_of(c.token_ids), stops)
+            choice = {"index": c.sample_index, "text": (text_of(prompt) + text) if body.echo else text,
+                      "finish_reason": c.finish_reason, "token_ids": c.token_ids, "weight_version": c.weight_version,
+                      "logprobs": None}
+            if body.logprobs is not None:
+                choice["logprobs"] = {"tokens": [piece(t) for t in c.token_ids], "token_logprobs": c.logprobs.tolist(),
+                                      "top_logprobs": None, "text_offset": None}
+            choices.append(choice)
+        return {"id": f"cmpl-{uuid.uuid4().hex[:16]}", "object": "text_completion", "created": int(time.time()),
+                "model": name, "choices": choices, "usage": usage(req), "prompt_token_ids": prompt,
+                "weight_version": req.version}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        prompt = tokens_of("".join(m.content for m in body.messages))
+        if not prompt:
+            raise ApiError(400, "the messages have no content")
+        events = asyncio.Queue() if body.stream else None
+        req, finished = await start(body, prompt, events)
+        if body.stream:
+            return StreamingResponse(sse("chat", body, req, events, request), media_type="text/event-stream")
+        await wait(req, finished, request)
+        stops = body.stops()
+        choices = []
+        for c in req.completions():
+            choice = {"index": c.sample_index, "finish_reason": c.finish_reason, "token_ids": c.token_ids,
+                      "weight_version": c.weight_version, "logprobs": None,
+                      "message": {"role": "assistant", "content": trim(text_of(c.token_ids), stops)}}
+            if body.logprobs:
+                choice["logprobs"] = {"content": [{"token": piece(t), "logprob": lp, "top_logprobs": []}
+                                                  for t, lp in zip(c.token_ids, c.logprobs.tolist())]}
+            choices.append(choice)
+        return {"id": f"chatcmpl-{uuid.uuid4().hex[:16]}", "object": "chat.completion", "created": int(time.time()),
+                "model": name, "choices": choices, "usage": usage(req), "prompt_token_ids": prompt,
+                "weight_version": req.version}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "minite",
+                                            "max_model_len": rt.context}]}
+
+    @app.get("/v1/weight_version")
+    async def weight_version():
+        return {"weight_version": rt.version}
+
+    @app.get("/health")
+    async def health():
+        if not rt.accepting:
+            return JSONResponse({"status": "draining", "weight_version": rt.version}, status_code=503)
+        return {"status": "ok", "weight_version": rt.version}
+
+    return app
+
+
+def _chunk(rid, obj, created, model, kind, i, tok, lp, finish, req, text="", token="", body=None) -> str:
+    """One server-sent event: `text` is the token's text (empty for special tokens), `token` its name."""
+    if kind == "cmpl":
+        choice = {"index": i, "text": text if tok is not None else "", "finish_reason": finish,
+                  "token_ids": [tok] if tok is not None else [], "weight_version": req.version,
+                  "logprobs": ({"tokens": [token], "token_logprobs": [lp], "top_logprobs": None, "text_offset": None}
+                               if body is not None and body.logprobs is not None and tok is not None else None)}
+    else:
+        choice = {"index": i, "delta": {"role": "assistant", "content": text if tok is not None else ""},
+                  "finish_reason": finish, "token_ids": [tok] if tok is not None else [], "weight_version": req.version,
+                  "logprobs": ({"content": [{"token": token, "logprob": lp, "top_logprobs": []}]}
+                               if body is not None and body.logprobs and tok is not None else None)}
+    return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
+                                  "prompt_token_ids": req.prompt}) + "\n\n"

@@ -1,0 +1,170 @@
+"""The rollout service's engine loop: one thread owns the RolloutEngine and steps it while there is
+work; request threads (gRPC workers, the REST event loop) submit, cancel and swap weights under the
+same lock, between steps. Admission control lives here: requests that could never fit are refused
+(ValueError), and beyond `max_waiting` queued sequences new work is refused (Overloaded) rather than
+queued without bound. The serving metrics (vLLM's names) are measured here as tokens come out.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from minite_core.engine import RolloutEngine, SamplingParams
+from minite_core.model import load_model
+
+from ..common.metrics import RolloutMetrics
+from ..common.weights import describe
+
+log = logging.getLogger("minite.rollout")
+
+
+class Overloaded(Exception):
+    """The queue is full: try again later (HTTP 429 / RESOURCE_EXHAUSTED)."""
+
+
+class RolloutRuntime:
+    def __init__(self, settings, metrics: RolloutMetrics | None = None):
+        self.settings = settings
+        self.metrics = metrics or RolloutMetrics()
+        model = load_model(settings.model_dir, precision=settings.precision, backend=settings.backend,
+                           device=settings.device)
+        self.tokenizer = model.tokenizer
+        self.engine = RolloutEngine(model, max_slots=settings.max_slots, max_seq_len=settings.max_seq_len)
+        self.expected = {n: describe(t) for n, t in model.w.items()}  # what a weight push must contain
+        self.lock = threading.Condition()  # an RLock inside: callbacks run on the loop thread, lock held
+        self.stopping = False
+        self.accepting = True
+        self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self.metrics.weight_version.set(0)
+        self.thread.start()
+
+    @property
+    def version(self) -> int:
+        return self.engine.weight_version
+
+    @property
+    def context(self) -> int:
+        return self.engine.max_seq_len
+
+    # -- requests -------------------------------------------------------------------------------
+    def check(self, prompt: list[int], params: SamplingParams) -> None:
+        """Refuse what can never be served, with a message a client can act on (ValueError)."""
+        s = self.settings
+        params.validate()
+        if params.max_tokens > s.max_tokens_limit:
+            raise ValueError(f"max_tokens must be <= {s.max_tokens_limit}, got {params.max_tokens}")
+        if params.n > s.max_n:
+            raise ValueError(f"n must be <= {s.max_n}, got {params.n}")
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        vocab = self.engine.model.cfg.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of the vocabulary [0, {vocab})")
+        if len(prompt) + params.max_tokens > self.context:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"context of {self.context} tokens")
+
+    def submit(self, prompt: list[int], params: SamplingParams, *, on_token=None, on_done=None, stop=()):
+        """Queue a request; callbacks run on the engine thread. `stop`: text stop strings (need a tokenizer).
+        Raises ValueError (bad request), Overloaded (queue full) or RuntimeError (shutting down)."""
+        self.check(prompt, params)
+        if stop and self.tokenizer is None:
+            raise ValueError("stop strings need a model with a tokenizer; use stop_token_ids")
+        arrival = time.perf_counter()
+        m = self.metrics
+        state = {"first": None, "last": {}, "text": {}}
+
+        def token(i, tok, lp, finish):
+            now = time.perf_counter()
+            m.generated_tokens.inc()
+            if state["first"] is None:
+                state["first"] = now
+                m.ttft.observe(now - arrival)
+            if i in state["last"]:
+                m.itl.observe(now - state["last"][i])
+            state["last"][i] = now
+            if stop and not finish:  # text stop strings: end the sequence once its text contains one
+                seq = req.seqs[i]
+                text = self.tokenizer.decode(seq.tokens)
+                if any(s_ in text for s_ in stop):
+                    finish = "stop"
+                    self.engine.finish(req, i, "stop")
+            if on_token is not None:
+                on_token(i, tok, lp, finish)
+
+        def done(r):
+            m.e2e.observe(time.perf_counter() - arrival)
+            if on_done is not None:
+                on_done(r)
+
+        with self.lock:
+            if not self.accepting:
+                raise RuntimeError("the service is shutting down")
+            if len(self.engine.waiting) + params.n > self.settings.max_waiting:
+                raise Overloaded(f"{len(self.engine.waiting)} sequences are waiting (limit {self.settings.max_waiting}); retry later")
+            req = self.engine.submit(prompt, params, on_token=token, on_done=done)
+            m.prompt_tokens.inc(len(prompt) * params.n)
+            self._gauges()
+            self.lock.notify_all()
+        return req
+
+    def cancel(self, req) -> None:
+        with self.lock:
+            self.engine.cancel(req)
+            self._gauges()
+
+    # -- weights ----------------------------------------------------------------------------------
+    def update_weights(self, weights: dict, version: int, abort_in_flight: bool) -> int:
+        with self.lock:
+            aborted = self.engine.set_weights(weights, version, abort_in_flight=abort_in_flight)
+            self.metrics.weight_version.set(version)
+            self._gauges()
+        log.info("serving weight version %d (%d sequences aborted)", version, aborted)
+        return aborted
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def _gauges(self) -> None:
+        e = self.engine
+        self.metrics.running.set(len(e.running))
+        self.metrics.waiting.set(len(e.waiting))
+        self.metrics.kv_usage.set(1.0 - len(e.free) / e.cache.slots)
+
+    def _loop(self) -> None:
+        with self.lock:
+            while not self.stopping:
+                if not self.engine.busy:
+                    self.lock.wait()
+                    continue
+                try:
+                    self.engine.step()
+                except Exception:  # a bug, not bad input (that is refused at submit): fail the work, keep serving
+                    log.exception("engine step failed; aborting the requests in flight")
+                    for q in list(self.engine.waiting) + list(self.engine.running):
+                        self.engine.cancel(q.request)
+                self._gauges()
+                # let submitters and weight pushes in between steps
+                self.lock.release()
+                try:
+                    time.sleep(0)
+                finally:
+                    self.lock.acquire()
+
+    def drain(self, timeout: float) -> bool:
+        """Stop accepting; wait up to `timeout` s for the requests in flight to finish. True if drained."""
+        with self.lock:
+            self.accepting = False
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if not self.engine.busy:
+                    return True
+            time.sleep(0.02)
+        return False
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopping = True
+            self.lock.notify_all()
+        self.thread.join(timeout=5)

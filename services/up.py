@@ -1,0 +1,177 @@
+"""`minite up`: the docker-compose topology as plain local processes, for machines without Docker.
+
+Builds the built-in tiny model if the model directory has none, starts the rollout service, the
+learner service (pointed at the rollout, told to exit after its last step) and, when a `prometheus`
+binary is on PATH, a Prometheus that scrapes both; then runs the RL job through the two services,
+prints where the metrics are, and stops everything (or keeps it up with --keep-running). Each
+process logs to a file in the run directory; the learner's progress is echoed here.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from .common.settings import parse
+
+
+class UpSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MINITE_UP_", cli_kebab_case=True, cli_implicit_flags=True,
+                                      cli_exit_on_error=False, extra="ignore")
+
+    model_dir: Path = Field(Path("runs/tiny-model"), description="model checkpoint (the built-in tiny model is built here if missing)")
+    run_dir: Path = Field(Path("runs/up"), description="logs, learner metrics and checkpoints, Prometheus data")
+    steps: int = Field(150, ge=1, description="GRPO steps")
+    prompts_per_step: int = Field(16, ge=1)
+    host: str = "127.0.0.1"
+    rollout_grpc_port: int = Field(50051, ge=1, le=65535)
+    rollout_http_port: int = Field(8000, ge=1, le=65535)
+    learner_grpc_port: int = Field(50052, ge=1, le=65535)
+    learner_http_port: int = Field(8001, ge=1, le=65535)
+    prometheus: bool = Field(True, description="start Prometheus when the binary is installed")
+    prometheus_port: int = Field(9090, ge=1, le=65535)
+    scrape_interval: str = Field("2s", description="Prometheus scrape interval")
+    keep_running: bool = Field(False, description="leave the services and Prometheus up after training (Ctrl-C stops)")
+    resume: bool = Field(False, description="continue the learner's run in run_dir (default: start afresh)")
+    startup_timeout: float = Field(300.0, gt=0, description="seconds to wait for each service to be ready")
+
+
+def prometheus_config(s: UpSettings) -> str:
+    """The deploy/prometheus/prometheus.yml topology with local addresses (same job names)."""
+    return (f"global:\n  scrape_interval: {s.scrape_interval}\n  evaluation_interval: {s.scrape_interval}\n"
+            "scrape_configs:\n"
+            f"  - job_name: minite-rollout\n    static_configs:\n      - targets: ['{s.host}:{s.rollout_http_port}']\n"
+            f"  - job_name: minite-learner\n    static_configs:\n      - targets: ['{s.host}:{s.learner_http_port}']\n")
+
+
+class Proc:
+    """A child process whose output goes to a log file (and, with echo, to our stdout); `ready` is set
+    when a line starts with `ready_prefix`."""
+
+    def __init__(self, name: str, cmd: list[str], log: Path, env: dict, ready_prefix: str | None = None, echo=False):
+        self.name, self.ready, self.lines = name, threading.Event(), []
+        self.log = log.open("w")
+        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                  start_new_session=True)
+        self.prefix = ready_prefix
+        if ready_prefix is None:
+            self.ready.set()
+        self.echo = echo
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self):
+        for line in self.p.stdout:
+            self.log.write(line)
+            self.log.flush()
+            self.lines.append(line)
+            if self.prefix and line.startswith(self.prefix):
+                self.ready.set()
+            if self.echo and (" step " in line or "finished" in line or "wait" in line or "ERROR" in line):
+                print(f"[{self.name}] {line.rstrip()}", flush=True)
+
+    def wait_ready(self, timeout: float) -> None:
+        t0 = time.monotonic()
+        while not self.ready.wait(0.2):
+            if self.p.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with code {self.p.returncode} before it was ready; "
+                                   f"last lines:\n{''.join(self.lines[-15:])}")
+            if time.monotonic() - t0 > timeout:
+                raise RuntimeError(f"{self.name} was not ready after {timeout:.0f} s")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        self.log.close()
+
+
+def up(s: UpSettings) -> int:
+    s.run_dir.mkdir(parents=True, exist_ok=True)
+    if not (s.model_dir / "config.json").exists():
+        from minite_core.rl.tiny import build_tiny_model
+
+        print(f"building the built-in tiny model in {s.model_dir} (supervised warm-up, about a minute)", flush=True)
+        build_tiny_model(s.model_dir)
+    if not s.resume:
+        shutil.rmtree(s.run_dir / "learner", ignore_errors=True)
+    env = dict(os.environ)
+    env.setdefault("MINITE_AUTH_TOKEN", secrets.token_urlsafe(24))  # weight pushes need it; never printed
+    py = [sys.executable, "-m", "minite_core.cli"]
+    procs: list[Proc] = []
+    try:
+        rollout = Proc("rollout", py + ["rollout", "--model-dir", str(s.model_dir), "--host", s.host,
+                                        "--grpc-port", str(s.rollout_grpc_port), "--http-port", str(s.rollout_http_port)],
+                       s.run_dir / "rollout.log", env, "minite-rollout ready")
+        procs.append(rollout)
+        rollout.wait_ready(s.startup_timeout)
+        prom_bin = shutil.which("prometheus") if s.prometheus else None
+        if prom_bin:
+            cfg = s.run_dir / "prometheus.yml"
+            cfg.write_text(prometheus_config(s))
+            procs.append(Proc("prometheus", [prom_bin, f"--config.file={cfg}", f"--storage.tsdb.path={s.run_dir / 'prometheus-data'}",
+                                             f"--web.listen-address={s.host}:{s.prometheus_port}"],
+                              s.run_dir / "prometheus.log", env))
+        learner = Proc("learner", py + ["learner", "--model-dir", str(s.model_dir), "--host", s.host,
+                                        "--rollout", f"{s.host}:{s.rollout_grpc_port}", "--run-dir", str(s.run_dir / "learner"),
+                                        "--grpc-port", str(s.learner_grpc_port), "--http-port", str(s.learner_http_port),
+                                        "--steps", str(s.steps), "--prompts-per-step", str(s.prompts_per_step),
+                                        *([] if s.keep_running else ["--exit-when-done"])],
+                       s.run_dir / "learner.log", env, "minite-learner ready", echo=True)
+        procs.append(learner)
+        learner.wait_ready(s.startup_timeout)
+        print(f"rollout:  gRPC {s.host}:{s.rollout_grpc_port}, REST http://{s.host}:{s.rollout_http_port}/v1/completions, "
+              f"metrics http://{s.host}:{s.rollout_http_port}/metrics", flush=True)
+        print(f"learner:  gRPC {s.host}:{s.learner_grpc_port}, REST http://{s.host}:{s.learner_http_port}/v1/status, "
+              f"metrics http://{s.host}:{s.learner_http_port}/metrics", flush=True)
+        if prom_bin:
+            print(f"prometheus: http://{s.host}:{s.prometheus_port} (dashboard queries: deploy/grafana/dashboards/minite.json)",
+                  flush=True)
+        else:
+            print("prometheus: not installed (apt-get install prometheus), metrics are still served on /metrics", flush=True)
+        print(f"training {s.steps} GRPO steps through the two services; logs in {s.run_dir}/", flush=True)
+        summary = s.run_dir / "learner" / "summary.json"
+        while learner.p.poll() is None and not (s.keep_running and summary.exists()):
+            time.sleep(0.5)
+        code = learner.p.returncode or 0
+        if code != 0 or not summary.exists():
+            print(f"the learner exited with code {code}; see {s.run_dir / 'learner.log'}", file=sys.stderr)
+            return 1
+        import json
+
+        sm = json.loads(summary.read_text())
+        hist = [json.loads(x) for x in (s.run_dir / "learner" / "metrics.jsonl").read_text().splitlines()]
+        drift = max((m["sampling/sampling_logp_difference/max"] for m in hist), default=0.0)
+        print(f"greedy reward on 128 fixed problems: {sm['before']['eval/reward']:.3f} -> {sm['after']['eval/reward']:.3f}; "
+              f"max rollout/learner |Δlogp| over {len(hist)} steps: {drift:g}", flush=True)
+        print(f"learner metrics: {s.run_dir / 'learner' / 'metrics.jsonl'}, plot: {s.run_dir / 'learner' / 'reward_drift.png'}",
+              flush=True)
+        if s.keep_running:
+            print("services and Prometheus keep running; Ctrl-C stops them", flush=True)
+            try:
+                signal.pause()
+            except KeyboardInterrupt:
+                pass
+        return 0
+    except RuntimeError as e:
+        print(f"minite up: {e}", file=sys.stderr)
+        return 1
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def main(argv: list[str]) -> int:
+    return up(parse(UpSettings, argv, "minite up"))

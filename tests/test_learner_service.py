@@ -1,0 +1,118 @@
+"""The learner service over real gRPC and HTTP, against a real rollout service: it pushes its weights to
+the rollout at start, scores with the learner engine (equal to the rollout's logprobs bit for bit),
+records drift for submitted trajectories, and refuses stale versions, bad input and missing tokens."""
+import grpc
+import httpx
+import pytest
+import torch
+
+from minite.v1 import learner_pb2 as lpb
+from minite.v1 import learner_pb2_grpc as lpb_grpc
+from minite.v1 import rollout_pb2 as rpb
+from minite.v1 import rollout_pb2_grpc as rpb_grpc
+from tests.service_helpers import learner_service, rollout_service
+
+TOKEN = "learner-test-token"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+PROMPT = [1, 4, 5, 13, 6, 7, 14]
+
+
+@pytest.fixture(scope="module")
+def pair(service_model, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("learner-run")
+    with rollout_service(service_model, auth_token=TOKEN) as ro:
+        with learner_service(service_model, ro[1], auth_token=TOKEN, steps=0, run_dir=run_dir) as le:
+            ch_r, ch_l = grpc.insecure_channel(ro[1]), grpc.insecure_channel(le[1])
+            yield ro, le, rpb_grpc.RolloutServiceStub(ch_r), lpb_grpc.LearnerServiceStub(ch_l)
+            ch_r.close()
+            ch_l.close()
+
+
+def _trajectories(rstub, version=None, **params):
+    resp = rstub.Generate(rpb.GenerateRequest(prompt_ids=rpb.TokenIds(ids=PROMPT), params=rpb.SamplingParams(
+        max_tokens=5, n=4, seed=2, **params)), timeout=60)
+    return [lpb.Trajectory(prompt_ids=PROMPT, completion_ids=c.token_ids, rollout_logprobs=c.logprobs, reward=0.5,
+                           temperature=params.get("temperature", 1.0),
+                           weight_version=c.weight_version if version is None else version) for c in resp.choices]
+
+
+def test_learner_pushed_its_weights_packed(pair):
+    ro, le, rstub, _ = pair
+    # the Trainer's first re-quantize is version 1, pushed to the rollout as packed NVFP4
+    assert le[0].version == 1 == rstub.GetWeightVersion(rpb.GetWeightVersionRequest()).version
+    assert ro[0].metrics.sync_bytes._value.get() > 0
+
+
+def test_score_equals_rollout_logprobs(pair):
+    ro, le, rstub, lstub = pair
+    for t in _trajectories(rstub):
+        s = lstub.Score(lpb.ScoreRequest(prompt_ids=PROMPT, completion_ids=t.completion_ids), timeout=60)
+        assert list(s.logprobs) == list(t.rollout_logprobs) and s.weight_version == 1
+        r = httpx.post(f"{le[2]}/v1/score", json={"prompt_ids": PROMPT, "completion_ids": list(t.completion_ids)}).json()
+        assert [float(torch.tensor(x, dtype=torch.float32)) for x in r["logprobs"]] == list(t.rollout_logprobs)
+
+
+def test_submit_records_zero_drift(pair):
+    ro, le, rstub, lstub = pair
+    before = le[0].metrics.abs_diff._sum.get()
+    summary = lstub.SubmitTrajectories(iter(_trajectories(rstub, temperature=0.7)), metadata=AUTH, timeout=60)
+    assert summary.accepted == 4 and summary.tokens > 0
+    assert summary.logprob_abs_diff_max == 0.0 and summary.bitwise_equal_ratio == 1.0 and summary.kl_k3 == 0.0
+    assert le[0].metrics.bitwise._value.get() == 1.0 and le[0].metrics.abs_diff._sum.get() == before
+
+
+@pytest.mark.parametrize("make, code, words", [
+    (lambda ts: [lpb.Trajectory(prompt_ids=PROMPT, completion_ids=[3, 4], rollout_logprobs=[-1.0], weight_version=1)],
+     grpc.StatusCode.INVALID_ARGUMENT, "logprobs for"),
+    (lambda ts: [lpb.Trajectory(prompt_ids=PROMPT, completion_ids=[99], rollout_logprobs=[-1.0], weight_version=1)],
+     grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
+    (lambda ts: [lpb.Trajectory(prompt_ids=[], completion_ids=[3], rollout_logprobs=[-1.0], weight_version=1)],
+     grpc.StatusCode.INVALID_ARGUMENT, "non-empty"),
+    (lambda ts: [], grpc.StatusCode.INVALID_ARGUMENT, "no trajectories"),
+    (lambda ts: [lpb.Trajectory(prompt_ids=t.prompt_ids, completion_ids=t.completion_ids,
+                                rollout_logprobs=t.rollout_logprobs, weight_version=0) for t in ts],
+     grpc.StatusCode.FAILED_PRECONDITION, "weight version 0"),
+])
+def test_submit_refuses_bad_trajectories(pair, make, code, words):
+    _, _, rstub, lstub = pair
+    with pytest.raises(grpc.RpcError) as e:
+        lstub.SubmitTrajectories(iter(make(_trajectories(rstub))), metadata=AUTH, timeout=60)
+    assert e.value.code() == code and words in e.value.details(), e.value.details()
+
+
+def test_submit_at_another_temperature_shows_drift(pair):
+    """The drift metrics can fail: the same tokens scored at the wrong temperature are not equal."""
+    _, le, rstub, lstub = pair
+    ts = _trajectories(rstub, temperature=0.7)
+    for t in ts:
+        t.temperature = 1.0
+    summary = lstub.SubmitTrajectories(iter(ts), metadata=AUTH, timeout=60)
+    assert summary.logprob_abs_diff_max > 0 and summary.bitwise_equal_ratio < 1.0
+    assert le[0].metrics.abs_diff_max._value.get() == pytest.approx(summary.logprob_abs_diff_max)
+
+
+def test_token_required(pair):
+    _, le, rstub, lstub = pair
+    for md in ((), (("authorization", "Bearer nope"),)):
+        with pytest.raises(grpc.RpcError) as e:
+            lstub.SubmitTrajectories(iter(_trajectories(rstub)), metadata=md, timeout=60)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert httpx.post(f"{le[2]}/v1/control", json={"action": "pause"}).status_code == 401
+    bad = httpx.post(f"{le[2]}/v1/control", json={"action": "pause"}, headers={"authorization": "Bearer nope"})
+    assert bad.status_code == 401 and TOKEN not in bad.text
+    ok = httpx.post(f"{le[2]}/v1/control", json={"action": "pause"}, headers={"authorization": f"Bearer {TOKEN}"})
+    assert ok.status_code == 200 and ok.json()["paused"] is True
+    httpx.post(f"{le[2]}/v1/control", json={"action": "resume"}, headers={"authorization": f"Bearer {TOKEN}"})
+
+
+def test_score_bad_input_and_status(pair):
+    _, le, _, lstub = pair
+    with pytest.raises(grpc.RpcError) as e:
+        lstub.Score(lpb.ScoreRequest(prompt_ids=PROMPT, completion_ids=[3] * 40), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context" in e.value.details()
+    r = httpx.post(f"{le[2]}/v1/score", json={"prompt_ids": PROMPT, "completion_ids": []})
+    assert r.status_code == 400 and "completion_ids" in r.json()["error"]["message"]
+    st = lstub.Status(lpb.StatusRequest(), timeout=30)
+    assert st.weight_version == 1 and st.step == 0 and len(st.rollout_replicas) == 1
+    assert httpx.get(f"{le[2]}/v1/status").json()["weight_version"] == 1
+    assert "/v1/score" in httpx.get(f"{le[2]}/openapi.json").json()["paths"]

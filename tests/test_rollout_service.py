@@ -1,0 +1,338 @@
+"""The rollout service over real gRPC and HTTP on loopback: logprobs equal to the learner's, bit for bit,
+through both protocols; OpenAI-shaped REST; versioned atomic weight pushes (finish or abort in-flight
+sequences); auth, deadlines, bounded queues, and clear errors for bad input."""
+import json
+import math
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from minite.v1 import rollout_pb2 as pb
+from minite.v1 import rollout_pb2_grpc as pb_grpc
+from services.common.weights import encode_update
+from tests.service_helpers import learner_on, new_weights, rollout_service
+
+TOKEN = "test-token-9f2c"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+PROMPT = [1, 4, 5, 13, 6, 7, 14]  # <bos>12+34=
+
+
+@pytest.fixture(scope="module")
+def svc(service_model):
+    with rollout_service(service_model, auth_token=TOKEN, max_waiting=8, max_slots=4) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def stub(svc):
+    ch = grpc.insecure_channel(svc[1])
+    yield pb_grpc.RolloutServiceStub(ch)
+    ch.close()
+
+
+def gen_request(prompt=PROMPT, **params):
+    params.setdefault("max_tokens", 6)
+    return pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=prompt), params=pb.SamplingParams(**params))
+
+
+def push(stub, weights, version, **kw):
+    return stub.UpdateWeights(encode_update(weights, version, **kw), metadata=AUTH, timeout=60)
+
+
+def test_generate_logprobs_equal_learner_bitwise(svc, service_model, stub):
+    resp = stub.Generate(gen_request(n=3, seed=7, temperature=1.0), timeout=60)
+    assert len(resp.choices) == 3 and list(resp.prompt_ids) == PROMPT
+    learner = learner_on(service_model)
+    for c in resp.choices:
+        assert c.weight_version == resp.weight_version == svc[0].version
+        assert len(c.logprobs) == len(c.token_ids) > 0
+        mine = learner.logprobs(PROMPT, list(c.token_ids))
+        assert torch.equal(torch.tensor(list(c.logprobs), dtype=torch.float32), mine)
+    again = stub.Generate(gen_request(n=3, seed=7), timeout=60)  # seeded: the same tokens again
+    assert [list(c.token_ids) for c in again.choices] == [list(c.token_ids) for c in resp.choices]
+
+
+def test_stream_matches_unary(stub):
+    unary = stub.Generate(gen_request(n=2, seed=11), timeout=60)
+    got = {0: ([], []), 1: ([], [])}
+    finish = {}
+    for ev in stub.GenerateStream(gen_request(n=2, seed=11), timeout=60):
+        got[ev.index][0].append(ev.token_id)
+        got[ev.index][1].append(ev.logprob)
+        if ev.finish_reason:
+            finish[ev.index] = ev.finish_reason
+    for c in unary.choices:
+        assert got[c.index][0] == list(c.token_ids)
+        assert got[c.index][1] == list(c.logprobs)
+        assert finish[c.index] == c.finish_reason
+
+
+def test_text_prompt_and_rest_equal_grpc(svc, stub):
+    url = svc[2]
+    g = stub.Generate(pb.GenerateRequest(text="<bos>12+34=", params=pb.SamplingParams(max_tokens=5, seed=3, n=2)), timeout=60)
+    assert list(g.prompt_ids) == PROMPT
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "<bos>12+34=", "max_tokens": 5, "seed": 3, "n": 2,
+                                                  "logprobs": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["prompt_token_ids"] == PROMPT and body["object"] == "text_completion"
+    for rc, gc in zip(body["choices"], g.choices):
+        assert rc["token_ids"] == list(gc.token_ids)
+        # JSON carries the fp32 logprob as a double: the same value
+        assert [float(torch.tensor(x, dtype=torch.float32)) for x in rc["logprobs"]["token_logprobs"]] == list(gc.logprobs)
+        assert rc["weight_version"] == gc.weight_version
+    ids = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "seed": 3, "n": 2}, timeout=60)
+    assert [c["token_ids"] for c in ids.json()["choices"]] == [c["token_ids"] for c in body["choices"]]
+
+
+def test_rest_chat_stream_and_models(svc):
+    url = svc[2]
+    models = httpx.get(f"{url}/v1/models").json()
+    assert models["data"][0]["id"] == "minite-tiny"
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    assert "/v1/chat/completions" in httpx.get(f"{url}/openapi.json").json()["paths"]
+    req = {"model": "minite-tiny", "messages": [{"role": "user", "content": "<bos>1+2="}], "max_tokens": 4,
+           "seed": 5, "logprobs": True}
+    full = httpx.post(f"{url}/v1/chat/completions", json=req, timeout=60).json()
+    choice = full["choices"][0]
+    assert full["object"] == "chat.completion" and choice["message"]["role"] == "assistant"
+    events = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=dict(req, stream=True), timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c["choices"][0]["token_ids"][0] for c in chunks] == choice["token_ids"]
+    assert [c["choices"][0]["logprobs"]["content"][0]["logprob"] for c in chunks] == \
+        [x["logprob"] for x in choice["logprobs"]["content"]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
+
+
+def test_stop_string_ends_the_text(svc):
+    r = httpx.post(f"{svc[2]}/v1/completions", json={"prompt": "<bos>1+1=", "max_tokens": 12, "seed": 1,
+                                                     "temperature": 1.5}, timeout=60).json()
+    text = r["choices"][0]["text"]
+    if len(text) < 2:
+        pytest.skip("sampled text too short to pick a stop string")  # never with this seed; guards the premise
+    stop = text[1]
+    r2 = httpx.post(f"{svc[2]}/v1/completions", json={"prompt": "<bos>1+1=", "max_tokens": 12, "seed": 1,
+                                                      "temperature": 1.5, "stop": [stop]}, timeout=60).json()
+    c = r2["choices"][0]
+    assert c["finish_reason"] == "stop" and stop not in c["text"] and c["text"] == text[: text.index(stop)]
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ({"prompt": "<bos>1+2=", "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": "<bos>1+2=", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "<bos>1+2=", "max_tokens": 100000}, 400, "max_tokens"),
+    ({"prompt": "<bos>1+2=", "max_tokens": 30}, 400, "context"),
+    ({"prompt": list(range(1, 15)) * 3, "max_tokens": 1}, 400, "context"),
+    ({"prompt": [], "max_tokens": 1}, 400, "empty"),
+    ({"prompt": "", "max_tokens": 1}, 400, "empty"),
+    ({"prompt": [99], "max_tokens": 1}, 400, "vocabulary"),
+    ({"prompt": "<bos>1+2=", "n": 0}, 400, "n must"),
+    ({"prompt": "<bos>1+2=", "n": 10**6}, 400, "n must"),
+    ({"prompt": "<bos>1+2=", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "<bos>1+2=", "model": "gpt-4"}, 404, "unknown model"),
+    ({"max_tokens": 3}, 400, "prompt"),
+])
+def test_rest_bad_input(svc, body, status, words):
+    r = httpx.post(f"{svc[2]}/v1/completions", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    assert words in r.json()["error"]["message"]
+
+
+def test_rest_nan_temperature(svc):
+    r = httpx.post(f"{svc[2]}/v1/completions", content='{"prompt": "<bos>1+2=", "temperature": NaN}',
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("req, code, words", [
+    (pb.GenerateRequest(params=pb.SamplingParams(max_tokens=2)), grpc.StatusCode.INVALID_ARGUMENT, "no prompt"),
+    (gen_request(max_tokens=100000), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+    (gen_request(prompt=[200]), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
+    (gen_request(temperature=float("nan")), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    (gen_request(n=10**6), grpc.StatusCode.INVALID_ARGUMENT, "n must"),
+    (pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=PROMPT), model="other"), grpc.StatusCode.NOT_FOUND, "unknown model"),
+])
+def test_grpc_bad_input(stub, req, code, words):
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(req, timeout=30)
+    assert e.value.code() == code and words in e.value.details()
+
+
+def test_overload_is_refused_not_queued(svc, stub):
+    # max_waiting=8: one request of n=9 can never be queued within the bound
+    r = httpx.post(f"{svc[2]}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "n": 9}, timeout=30)
+    assert r.status_code == 429 and "retry" in r.json()["error"]["message"]
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(gen_request(n=9), timeout=30)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_deadline_cancels_the_work(svc, stub):
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(gen_request(n=8, max_tokens=24, prompt=[1, 4]), timeout=0.01)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 10
+    while svc[0].engine.busy and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not svc[0].engine.busy  # the slots were freed, nothing left running for nobody
+
+
+def test_health_and_reflection(svc):
+    ch = grpc.insecure_channel(svc[1])
+    h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="minite.v1.RolloutService"))
+    assert h.status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+    resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in resp.list_services_response.service}
+    assert {"minite.v1.RolloutService", "grpc.health.v1.Health"} <= names
+    ch.close()
+
+
+# -- weight pushes: the tests below change the served weights, in version order ------------------
+
+
+def test_push_needs_the_token(service_model, stub):
+    w = new_weights(service_model, seed=1)
+    for md in ((), (("authorization", "Bearer wrong"),)):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.UpdateWeights(encode_update(w, 1), metadata=md, timeout=30)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and TOKEN not in e.value.details()
+
+
+def _corrupt(msgs):
+    for m in msgs:
+        if m.WhichOneof("kind") == "chunk" and m.chunk.part == "data" and m.chunk.payload:
+            p = bytearray(m.chunk.payload)
+            p[0] ^= 0xFF
+            m.chunk.payload = bytes(p)
+            m = type(m)(chunk=m.chunk)
+        yield m
+
+
+def _drop_end(msgs):
+    for m in msgs:
+        if m.WhichOneof("kind") != "end":
+            yield m
+
+
+def _rename(msgs):
+    for m in msgs:
+        if m.WhichOneof("kind") == "chunk" and m.chunk.name.endswith("q_proj.weight"):
+            m.chunk.name = m.chunk.name.replace("q_proj", "qq_proj")
+        yield m
+
+
+def _reshape(msgs):
+    for m in msgs:
+        if m.WhichOneof("kind") == "chunk" and m.chunk.name.endswith("up_proj.weight"):
+            del m.chunk.shape[:]
+            m.chunk.shape.extend([8, 8])
+        yield m
+
+
+@pytest.mark.parametrize("mangle, code, words", [
+    (_corrupt, grpc.StatusCode.INVALID_ARGUMENT, "checksum"),
+    (_drop_end, grpc.StatusCode.INVALID_ARGUMENT, "truncated"),
+    (_rename, grpc.StatusCode.INVALID_ARGUMENT, "unknown tensor"),
+    (_reshape, grpc.StatusCode.INVALID_ARGUMENT, "shape"),
+])
+def test_bad_push_keeps_serving_old_weights(svc, service_model, stub, mangle, code, words):
+    before = stub.GetWeightVersion(pb.GetWeightVersionRequest()).version
+    served = svc[0].engine.model.w
+    with pytest.raises(grpc.RpcError) as e:
+        stub.UpdateWeights(mangle(encode_update(new_weights(service_model, seed=2), before + 1)), metadata=AUTH, timeout=60)
+    assert e.value.code() == code and words in e.value.details(), e.value.details()
+    assert stub.GetWeightVersion(pb.GetWeightVersionRequest()).version == before
+    assert svc[0].engine.model.w is served
+
+
+def test_push_applies_and_new_logprobs_match(svc, service_model, stub):
+    v = stub.GetWeightVersion(pb.GetWeightVersionRequest()).version + 1
+    w = new_weights(service_model, seed=3)
+    resp = push(stub, w, v, chunk_bytes=1 << 20)
+    assert resp.version == v and resp.tensors == len(w) and resp.bytes > 0
+    assert stub.GetWeightVersion(pb.GetWeightVersionRequest()).version == v
+    out = stub.Generate(gen_request(seed=4, n=2), timeout=60)
+    learner = learner_on(service_model, w)
+    for c in out.choices:
+        assert c.weight_version == v
+        assert torch.equal(torch.tensor(list(c.logprobs), dtype=torch.float32), learner.logprobs(PROMPT, list(c.token_ids)))
+    with pytest.raises(grpc.RpcError) as e:  # the same version again is stale
+        push(stub, w, v)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "stale" in e.value.details()
+
+
+def _stream_in_background(stub, req):
+    events, done = [], threading.Event()
+
+    def go():
+        try:
+            for ev in stub.GenerateStream(req, timeout=120):
+                events.append(ev)
+        finally:
+            done.set()
+    threading.Thread(target=go, daemon=True).start()
+    return events, done
+
+
+def test_in_flight_sequences_finish_on_their_version(svc, service_model, stub):
+    old_v = stub.GetWeightVersion(pb.GetWeightVersionRequest()).version
+    old_w = svc[0].engine.model.w
+    prompt = [1, 4]
+    events, done = _stream_in_background(stub, gen_request(prompt=prompt, max_tokens=28, n=4, seed=9))
+    while not events:
+        time.sleep(0.005)
+    new_w = new_weights(service_model, seed=5)
+    push(stub, new_w, old_v + 1)  # default mode: finish in flight
+    assert done.wait(120)
+    assert {e.weight_version for e in events} == {old_v}
+    learner = learner_on(service_model, old_w)
+    for i in range(4):
+        toks = [e.token_id for e in events if e.index == i]
+        lps = [e.logprob for e in events if e.index == i]
+        assert torch.equal(torch.tensor(lps, dtype=torch.float32), learner.logprobs(prompt, toks))
+    after = stub.Generate(gen_request(seed=1), timeout=60)
+    assert after.weight_version == old_v + 1
+
+
+def test_abort_mode_aborts_in_flight(svc, service_model, stub):
+    v = stub.GetWeightVersion(pb.GetWeightVersionRequest()).version
+    events, done = _stream_in_background(stub, gen_request(prompt=[1, 4], max_tokens=28, n=4, seed=10))
+    while not events:
+        time.sleep(0.005)
+    resp = push(stub, new_weights(service_model, seed=6), v + 1, abort_in_flight=True)
+    assert done.wait(60)
+    reasons = {e.index: e.finish_reason for e in events if e.finish_reason}
+    assert resp.aborted_sequences >= 1 and "abort" in reasons.values()
+    assert {e.weight_version for e in events} == {v}
+
+
+def test_tls(service_model, tmp_path):
+    """gRPC over TLS when configured: a client that trusts the (self-signed) cert works, plaintext does not."""
+    import subprocess
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    with rollout_service(service_model, tls_cert=cert, tls_key=key) as (rt, addr, _):
+        secure = grpc.secure_channel(addr, grpc.ssl_channel_credentials(cert.read_bytes()))
+        assert pb_grpc.RolloutServiceStub(secure).GetWeightVersion(pb.GetWeightVersionRequest(), timeout=30).version == 0
+        plain = grpc.insecure_channel(addr)
+        with pytest.raises(grpc.RpcError) as e:
+            pb_grpc.RolloutServiceStub(plain).GetWeightVersion(pb.GetWeightVersionRequest(), timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        secure.close()
+        plain.close()
