@@ -116,3 +116,44 @@ def test_score_bad_input_and_status(pair):
     assert st.weight_version == 1 and st.step == 0 and len(st.rollout_replicas) == 1
     assert httpx.get(f"{le[2]}/v1/status").json()["weight_version"] == 1
     assert "/v1/score" in httpx.get(f"{le[2]}/openapi.json").json()["paths"]
+
+
+@pytest.mark.parametrize("traj, words", [
+    (dict(completion_ids=[3], rollout_logprobs=[float("nan")]), "finite"),
+    (dict(completion_ids=[3], rollout_logprobs=[0.5]), "finite and <= 0"),
+    (dict(completion_ids=[3], rollout_logprobs=[-1.0], temperature=1e308), "temperature"),
+    (dict(completion_ids=[3], rollout_logprobs=[-1.0], temperature=-1.0), "temperature"),
+])
+def test_submit_refuses_poison(pair, traj, words):
+    _, _, _, lstub = pair
+    t = lpb.Trajectory(prompt_ids=PROMPT, weight_version=1, **traj)
+    with pytest.raises(grpc.RpcError) as e:
+        lstub.SubmitTrajectories(iter([t]), metadata=AUTH, timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details(), e.value.details()
+
+
+def test_score_temperature_bounds(pair):
+    _, le, _, lstub = pair
+    for t in (1e308, 1e-300):
+        with pytest.raises(grpc.RpcError) as e:
+            lstub.Score(lpb.ScoreRequest(prompt_ids=PROMPT, completion_ids=[3], temperature=t), timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        r = httpx.post(f"{le[2]}/v1/score", json={"prompt_ids": PROMPT, "completion_ids": [3], "temperature": t})
+        assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
+
+
+def test_restarted_learner_resyncs_above_the_replicas(service_model, tmp_path):
+    """A learner that starts while its replica already serves version 7 (e.g. it restarted) pushes 8, not a
+    stale 1; and a step whose sequences exceed the replica's queue bound waits instead of failing."""
+    from services.common.weights import encode_update
+    from tests.service_helpers import new_weights
+
+    with rollout_service(service_model, auth_token=TOKEN, max_waiting=16, max_slots=4) as ro:
+        stub = rpb_grpc.RolloutServiceStub(grpc.insecure_channel(ro[1]))
+        stub.UpdateWeights(encode_update(new_weights(service_model, seed=1), 7), metadata=AUTH, timeout=60)
+        with learner_service(service_model, ro[1], auth_token=TOKEN, steps=0, run_dir=tmp_path,
+                             prompts_per_step=8, num_generations=8) as le:
+            assert le[0].version == 8 == stub.GetWeightVersion(rpb.GetWeightVersionRequest()).version
+            m = le[0].trainer.step()  # 64 sequences through a queue of 16
+            assert m["weight_version"] == 9 and m["sampling/sampling_logp_difference/max"] == 0.0
+            assert stub.GetWeightVersion(rpb.GetWeightVersionRequest()).version == 9

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17minite/v1/rollout.proto\x12\tminite.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xba\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\t\n\x01n\x18\x07 \x01(\rB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\x90\x01\n\x0fGenerateRequest\x12)\n\nprompt_ids\x18\x01 \x01(\x0b\x32\x13.minite.v1.TokenIdsH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.minite.v1.SamplingParams\x12\r\n\x05model\x18\x04 \x01(\tB\x08\n\x06prompt\"y\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x16\n\x0eweight_version\x18\x05 \x01(\x04\x12\x0c\n\x04text\x18\x06 \x01(\t\"q\n\x10GenerateResponse\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12\"\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x11.minite.v1.Choice\x12\x16\n\x0eweight_version\x18\x03 \x01(\x04\x12\r\n\x05model\x18\x04 \x01(\t\"\x87\x01\n\x16GenerateStreamResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x16\n\x0eweight_version\x18\x05 \x01(\x04\x12\x0c\n\x04text\x18\x06 \x01(\t\"X\n\x0bUpdateBegin\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12#\n\x04mode\x18\x02 \x01(\x0e\x32\x15.minite.v1.UpdateMode\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\r\"\xa0\x01\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04part\x18\x04 \x01(\t\x12\x12\n\npart_shape\x18\x05 \x03(\x03\x12\x0e\n\x06offset\x18\x06 \x01(\x04\x12\x12\n\npart_bytes\x18\x07 \x01(\x04\x12\x0f\n\x07payload\x18\x08 \x01(\x0c\x12\r\n\x05\x63rc32\x18\t \x01(\x07\"\x0b\n\tUpdateEnd\"\x95\x01\n\x14UpdateWeightsRequest\x12\'\n\x05\x62\x65gin\x18\x01 \x01(\x0b\x32\x16.minite.v1.UpdateBeginH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.minite.v1.TensorChunkH\x00\x12#\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x14.minite.v1.UpdateEndH\x00\x42\x06\n\x04kind\"t\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07tensors\x18\x03 \x01(\r\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x19\n\x11\x61\x62orted_sequences\x18\x05 \x01(\r\"\x19\n\x17GetWeightVersionRequest\" \n\rWeightVersion\x12\x0f\n\x07version\x18\x01 \x01(\x04*O\n\nUpdateMode\x12 \n\x1cUPDATE_MODE_FINISH_IN_FLIGHT\x10\x00\x12\x1f\n\x1bUPDATE_MODE_ABORT_IN_FLIGHT\x10\x01\x32\xd0\x02\n\x0eRolloutService\x12\x43\n\x08Generate\x12\x1a.minite.v1.GenerateRequest\x1a\x1b.minite.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1a.minite.v1.GenerateRequest\x1a!.minite.v1.GenerateStreamResponse0\x01\x12T\n\rUpdateWeights\x12\x1f.minite.v1.UpdateWeightsRequest\x1a .minite.v1.UpdateWeightsResponse(\x01\x12P\n\x10GetWeightVersion\x12\".minite.v1.GetWeightVersionRequest\x1a\x18.minite.v1.WeightVersionb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17minite/v1/rollout.proto\x12\tminite.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xba\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\t\n\x01n\x18\x07 \x01(\rB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\x90\x01\n\x0fGenerateRequest\x12)\n\nprompt_ids\x18\x01 \x01(\x0b\x32\x13.minite.v1.TokenIdsH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.minite.v1.SamplingParams\x12\r\n\x05model\x18\x04 \x01(\tB\x08\n\x06prompt\"y\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x16\n\x0eweight_version\x18\x05 \x01(\x04\x12\x0c\n\x04text\x18\x06 \x01(\t\"q\n\x10GenerateResponse\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12\"\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x11.minite.v1.Choice\x12\x16\n\x0eweight_version\x18\x03 \x01(\x04\x12\r\n\x05model\x18\x04 \x01(\t\"\xaa\x01\n\x16GenerateStreamResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x15\n\x08token_id\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x16\n\x0eweight_version\x18\x05 \x01(\x04\x12\x0c\n\x04text\x18\x06 \x01(\tB\x0b\n\t_token_idB\n\n\x08_logprob\"X\n\x0bUpdateBegin\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12#\n\x04mode\x18\x02 \x01(\x0e\x32\x15.minite.v1.UpdateMode\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\r\"\xa0\x01\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04part\x18\x04 \x01(\t\x12\x12\n\npart_shape\x18\x05 \x03(\x03\x12\x0e\n\x06offset\x18\x06 \x01(\x04\x12\x12\n\npart_bytes\x18\x07 \x01(\x04\x12\x0f\n\x07payload\x18\x08 \x01(\x0c\x12\r\n\x05\x63rc32\x18\t \x01(\x07\"\x0b\n\tUpdateEnd\"\x95\x01\n\x14UpdateWeightsRequest\x12\'\n\x05\x62\x65gin\x18\x01 \x01(\x0b\x32\x16.minite.v1.UpdateBeginH\x00\x12\'\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x16.minite.v1.TensorChunkH\x00\x12#\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x14.minite.v1.UpdateEndH\x00\x42\x06\n\x04kind\"t\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07tensors\x18\x03 \x01(\r\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\x12\x19\n\x11\x61\x62orted_sequences\x18\x05 \x01(\r\"\x19\n\x17GetWeightVersionRequest\" \n\rWeightVersion\x12\x0f\n\x07version\x18\x01 \x01(\x04*O\n\nUpdateMode\x12 \n\x1cUPDATE_MODE_FINISH_IN_FLIGHT\x10\x00\x12\x1f\n\x1bUPDATE_MODE_ABORT_IN_FLIGHT\x10\x01\x32\xd0\x02\n\x0eRolloutService\x12\x43\n\x08Generate\x12\x1a.minite.v1.GenerateRequest\x1a\x1b.minite.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1a.minite.v1.GenerateRequest\x1a!.minite.v1.GenerateStreamResponse0\x01\x12T\n\rUpdateWeights\x12\x1f.minite.v1.UpdateWeightsRequest\x1a .minite.v1.UpdateWeightsResponse(\x01\x12P\n\x10GetWeightVersion\x12\".minite.v1.GetWeightVersionRequest\x1a\x18.minite.v1.WeightVersionb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'minite.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_UPDATEMODE']._serialized_start=1372
-  _globals['_UPDATEMODE']._serialized_end=1451
+  _globals['_UPDATEMODE']._serialized_start=1407
+  _globals['_UPDATEMODE']._serialized_end=1486
   _globals['_TOKENIDS']._serialized_start=38
   _globals['_TOKENIDS']._serialized_end=61
   _globals['_SAMPLINGPARAMS']._serialized_start=64
@@ -44,21 +44,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATERESPONSE']._serialized_start=522
   _globals['_GENERATERESPONSE']._serialized_end=635
   _globals['_GENERATESTREAMRESPONSE']._serialized_start=638
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=773
-  _globals['_UPDATEBEGIN']._serialized_start=775
-  _globals['_UPDATEBEGIN']._serialized_end=863
-  _globals['_TENSORCHUNK']._serialized_start=866
-  _globals['_TENSORCHUNK']._serialized_end=1026
-  _globals['_UPDATEEND']._serialized_start=1028
-  _globals['_UPDATEEND']._serialized_end=1039
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1042
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1191
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1193
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1309
-  _globals['_GETWEIGHTVERSIONREQUEST']._serialized_start=1311
-  _globals['_GETWEIGHTVERSIONREQUEST']._serialized_end=1336
-  _globals['_WEIGHTVERSION']._serialized_start=1338
-  _globals['_WEIGHTVERSION']._serialized_end=1370
-  _globals['_ROLLOUTSERVICE']._serialized_start=1454
-  _globals['_ROLLOUTSERVICE']._serialized_end=1790
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=808
+  _globals['_UPDATEBEGIN']._serialized_start=810
+  _globals['_UPDATEBEGIN']._serialized_end=898
+  _globals['_TENSORCHUNK']._serialized_start=901
+  _globals['_TENSORCHUNK']._serialized_end=1061
+  _globals['_UPDATEEND']._serialized_start=1063
+  _globals['_UPDATEEND']._serialized_end=1074
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1077
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1226
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1228
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1344
+  _globals['_GETWEIGHTVERSIONREQUEST']._serialized_start=1346
+  _globals['_GETWEIGHTVERSIONREQUEST']._serialized_end=1371
+  _globals['_WEIGHTVERSION']._serialized_start=1373
+  _globals['_WEIGHTVERSION']._serialized_end=1405
+  _globals['_ROLLOUTSERVICE']._serialized_start=1489
+  _globals['_ROLLOUTSERVICE']._serialized_end=1825
 # @@protoc_insertion_point(module_scope)

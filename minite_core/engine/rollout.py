@@ -35,6 +35,17 @@ from ..model.qwen3 import KVCache, Qwen3
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
 
 
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3  # beyond these, logits / T overflow or flatten to nothing
+
+
+def check_temperature(t) -> float:
+    """0 (greedy) or a finite number in [MIN_TEMPERATURE, MAX_TEMPERATURE]; raises ValueError otherwise."""
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or \
+            not (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE):
+        raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], got {t!r}")
+    return float(t)
+
+
 @dataclasses.dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -48,8 +59,7 @@ class SamplingParams:
     def validate(self) -> None:
         if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        check_temperature(self.temperature)
         if not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
@@ -294,9 +304,9 @@ class RolloutEngine:
         while self.waiting and self.free:
             seq = self.waiting.popleft()
             seq.slot = self.free.pop(0)
+            self.running.append(seq)  # before the forward: if it raises, cancel() still finds the sequence
             logits = self._forward([seq], [seq.prompt], [list(range(len(seq.prompt)))], capture)
             self._append(seq, logits[0, -1])
-            self.running.append(seq)
         self._reap()
         if self.waiting and self.free:
             return  # let waiting sequences join before the next decode step

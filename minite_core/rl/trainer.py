@@ -66,11 +66,15 @@ class LocalRollout:
     def update(self, weights: dict, version: int) -> None:
         self.engine.weight_version = version  # the engine reads the same dict the learner re-quantized
 
+    def version_floor(self) -> int:
+        return 0  # the in-process engine's version is the learner's own
+
 
 class Trainer:
     """One GRPO learner. `rollout` is where completions come from: anything with generate(prompts,
-    params) -> [Completion] and update(weights, version) (the learner service passes its remote replicas);
-    by default an in-process RolloutEngine over the same weights."""
+    params) -> [Completion], update(weights, version) and version_floor() -> the highest version it
+    already serves (the learner service passes its remote replicas); by default an in-process
+    RolloutEngine over the same weights."""
 
     def __init__(self, cfg: TrainConfig, rollout=None):
         cfg.grpo.validate()
@@ -116,20 +120,22 @@ class Trainer:
                     self.policy.w[n] = ops.quantize(m.detach(), scale_mode="tensor", backend=self.policy.backend)
                 else:
                     self.policy.w[n] = m.detach().to(self.policy.dtype)
-        self.version += 1
+        # monotonic on the rollout side too: above any version a replica already serves (a learner that
+        # restarted, or resumed an older checkpoint, must not push "stale" versions forever)
+        self.version = max(self.version, self.rollout.version_floor()) + 1
         self.rollout.update(self.policy.w, self.version)
 
     def step(self) -> dict:
         cfg, g = self.cfg, self.cfg.grpo
         t0 = time.perf_counter()
+        task_rng = self.task.rng.getstate()
         problems = [self.task.sample() for _ in range(cfg.prompts_per_step)]
         prompts = [self.task.prompt_ids(a, b) for a, b in problems]
-        outs = self.rollout.generate(prompts, SamplingParams(
-            max_tokens=g.max_completion_length, temperature=g.temperature, n=g.num_generations,
-            seed=cfg.seed * 1_000_003 + self.step_idx, stop_token_ids=(EOS,)))
-        stale = {o.weight_version for o in outs} - {self.version}
-        if stale:  # off-policy by construction: the caller must re-sync the rollout and retry
-            raise RuntimeError(f"rollout sampled with weight version(s) {sorted(stale)}, the learner is at {self.version}")
+        try:
+            outs = self._generate(prompts, g)
+        except Exception:
+            self.task.rng.setstate(task_rng)  # a retried step draws the same problems
+            raise
         t_rollout = time.perf_counter() - t0
         rewards = torch.tensor([self.task.reward(*problems[o.request_index], o.token_ids) for o in outs])
         adv = group_advantages(rewards, g.num_generations, g.scale_rewards)
@@ -175,6 +181,15 @@ class Trainer:
             "drift/kl_k3": drift.kl_k3,
         })
         return metrics
+
+    def _generate(self, prompts: list, g: GRPOConfig) -> list:
+        outs = self.rollout.generate(prompts, SamplingParams(
+            max_tokens=g.max_completion_length, temperature=g.temperature, n=g.num_generations,
+            seed=self.cfg.seed * 1_000_003 + self.step_idx, stop_token_ids=(EOS,)))
+        stale = {o.weight_version for o in outs} - {self.version}
+        if stale:  # off-policy by construction: the caller must re-sync the rollout and retry
+            raise RuntimeError(f"rollout sampled with weight version(s) {sorted(stale)}, the learner is at {self.version}")
+        return outs
 
     def evaluate(self, n: int = 128, seed: int = 1234) -> dict:
         """Greedy mean reward and accuracy on a fixed set of n problems (the same before and after training)."""
@@ -242,8 +257,16 @@ def run(cfg: TrainConfig, *, resume: bool = False, progress=True, rollout=None, 
     history = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     summary_file = run_dir / "summary.json"
     summary = json.loads(summary_file.read_text()) if resume and summary_file.exists() else {}
+    def retrying(fn):
+        while True:
+            try:
+                return fn()
+            except Exception as e:
+                if retry is None or not retry(e):
+                    raise
+
     if "before" not in summary:
-        summary["before"] = trainer.evaluate()
+        summary["before"] = retrying(trainer.evaluate)
     bar = _progress(progress)
     with bar:
         task = bar.add_task("GRPO", total=cfg.steps, completed=trainer.step_idx)
@@ -264,7 +287,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, progress=True, rollout=None, 
                 f"drift {m['sampling/sampling_logp_difference/max']:.2g} {m['tokens_per_s']:.0f} tok/s"))
             if trainer.step_idx % cfg.checkpoint_every == 0 or trainer.step_idx == cfg.steps:
                 trainer.save(run_dir / "checkpoint")
-    summary["after"] = trainer.evaluate()
+    summary["after"] = retrying(trainer.evaluate)
     summary["steps"] = trainer.step_idx
     summary_file.write_text(json.dumps(summary, indent=1))
     plot(history, run_dir / "reward_drift.png")

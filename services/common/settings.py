@@ -27,7 +27,8 @@ class _Common(BaseSettings):
     tls_cert: Path | None = Field(None, description="PEM certificate: serve gRPC and HTTP over TLS")
     tls_key: Path | None = Field(None, description="PEM private key for --tls-cert")
     tls_ca: Path | None = Field(None, description="CA bundle that clients use to verify peers (learner -> rollout)")
-    max_message_mb: int = Field(8, ge=1, le=64, description="gRPC message size limit, MiB, both directions")
+    max_message_mb: int = Field(8, ge=5, le=64, description="gRPC message size limit, MiB, both directions "
+                                                            "(above the 4 MiB largest weight chunk)")
     log_level: str = Field("info", description="debug, info, warning or error")
 
     @field_validator("precision")

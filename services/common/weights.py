@@ -4,8 +4,7 @@ receiver that checks and assembles it.
 An NVFP4 weight travels packed, exactly as both engines hold it: the parts "data" (uint8, two e2m1
 codes per byte), "scale" (float8_e4m3fn, one per 16 values) and "global_scale" (float32), about
 4.5 bits per value; a plain tensor travels as its bf16/fp32 bytes. A part larger than one message is
-split into chunks (1-4 MiB); every chunk carries the CRC-32 of its whole part, checked once the part
-is complete. The stream is UpdateBegin, the chunks, UpdateEnd; the receiver builds the new weight set
+split into chunks (1-4 MiB); every chunk carries the CRC-32 of its payload, checked on arrival. The stream is UpdateBegin, the chunks, UpdateEnd; the receiver builds the new weight set
 beside the serving one and hands it over only after UpdateEnd with every tensor present and verified,
 so a bad or cut stream leaves nothing half applied.
 """
@@ -42,9 +41,10 @@ def _parts(t) -> list[tuple[str, torch.Tensor]]:
     return [("data", t)]
 
 
-def _as_bytes(t: torch.Tensor) -> bytes:
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy (a copy only when it is not contiguous or not on the CPU)."""
     t = t.detach().contiguous().cpu()
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
 def encode_update(weights: dict, version: int, *, abort_in_flight: bool = False, chunk_bytes: int = 2 << 20):
@@ -57,11 +57,11 @@ def encode_update(weights: dict, version: int, *, abort_in_flight: bool = False,
         fmt, shape = describe(t)
         for part, tensor in _parts(t):
             raw = _as_bytes(tensor)
-            crc = zlib.crc32(raw)
             for off in range(0, max(len(raw), 1), chunk_bytes):
+                payload = bytes(raw[off:off + chunk_bytes])
                 yield pb.UpdateWeightsRequest(chunk=pb.TensorChunk(
                     name=name, format=fmt, shape=shape, part=part, part_shape=tuple(tensor.shape), offset=off,
-                    part_bytes=len(raw), payload=raw[off:off + chunk_bytes], crc32=crc))
+                    part_bytes=len(raw), payload=payload, crc32=zlib.crc32(payload)))
     yield pb.UpdateWeightsRequest(end=pb.UpdateEnd())
 
 
@@ -78,13 +78,29 @@ def _expected_parts(fmt: str, shape: tuple) -> dict[str, list[tuple]]:
     return {"data": [lead + (k // 2,)], "scale": [lead + (k // 16,)], "global_scale": [(), lead + (1,)]}
 
 
+def _part_dtype(fmt: str, part: str) -> torch.dtype:
+    return FORMATS[fmt] if part == "data" and fmt != "nvfp4" else PART_DTYPES[part]
+
+
+def _nbytes(fmt: str, part: str, shape: tuple) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * _part_dtype(fmt, part).itemsize
+
+
+def _aligned(n: int, to: int = 64) -> int:
+    return (n + to - 1) // to * to
+
+
 class WeightAssembler:
     """Receives one push against `expected` = {name: (format, shape)} (the serving model's weights) and
     the serving version; `feed` each message, then `result()` -> (version, abort_in_flight, weights).
     Raises WeightError naming the problem at the first bad message."""
 
-    def __init__(self, expected: dict[str, tuple[str, tuple]], serving_version: int):
+    def __init__(self, expected: dict[str, tuple[str, tuple]], serving_version: int, *, arena_pool=None):
         self.expected, self.serving = expected, serving_version
+        self.arena_pool = arena_pool  # nbytes -> a uint8 tensor to write into (reused memory), or None
         self.begin = None
         self.ended = False
         self.bytes = 0
@@ -106,6 +122,13 @@ class WeightAssembler:
             if b.num_tensors != len(self.expected):
                 raise WeightError(f"UpdateBegin announces {b.num_tensors} tensors; the model has {len(self.expected)}")
             self.begin = b
+            # one arena for the whole push, each part a slice of it: the receiver can hand in the memory of a
+            # retired version (first touches of fresh pages cost more than the copy itself)
+            cap = sum(_aligned(max(_nbytes(fmt, part, ps) for ps in shapes))
+                      for fmt, shape in self.expected.values() for part, shapes in _expected_parts(fmt, tuple(shape)).items())
+            self.arena = self.arena_pool(cap) if self.arena_pool is not None else torch.empty(cap, dtype=torch.uint8)
+            self.arena_view = memoryview(self.arena.numpy())
+            self.top = 0
             return
         if self.begin is None:
             raise WeightError("the stream must start with UpdateBegin")
@@ -132,28 +155,27 @@ class WeightAssembler:
         if st is None:
             if tuple(c.part_shape) not in allowed[c.part]:
                 raise WeightError(f"{c.name}.{c.part}: shape {tuple(c.part_shape)}, expected one of {allowed[c.part]}")
-            dtype = FORMATS[fmt] if c.part == "data" and fmt != "nvfp4" else PART_DTYPES[c.part]
-            n = 1
-            for d in c.part_shape:
-                n *= d
-            size = n * torch.empty((), dtype=dtype).element_size()
+            dtype = _part_dtype(fmt, c.part)
+            size = _nbytes(fmt, c.part, tuple(c.part_shape))
             if c.part_bytes != size:
                 raise WeightError(f"{c.name}.{c.part}: {c.part_bytes} bytes announced, {size} expected")
-            st = self.parts[key] = {"buf": bytearray(size), "filled": 0, "crc": c.crc32, "shape": tuple(c.part_shape),
-                                    "dtype": dtype}
-        if c.crc32 != st["crc"] or c.part_bytes != len(st["buf"]) or tuple(c.part_shape) != st["shape"]:
-            raise WeightError(f"{c.name}.{c.part}: chunks disagree on the part's size, shape or checksum")
+            lo, self.top = self.top, self.top + _aligned(size)  # never past the arena: each part comes once
+            st = self.parts[key] = {"tensor": self.arena[lo:lo + size], "buf": self.arena_view[lo:lo + size],
+                                    "filled": 0, "shape": tuple(c.part_shape), "dtype": dtype}
+        if c.part_bytes != len(st["buf"]) or tuple(c.part_shape) != st["shape"]:
+            raise WeightError(f"{c.name}.{c.part}: chunks disagree on the part's size or shape")
         if c.offset != st["filled"]:
             raise WeightError(f"{c.name}.{c.part}: chunk at offset {c.offset}, expected {st['filled']} (chunks in order)")
-        end = c.offset + len(c.payload)
+        payload = c.payload
+        end = c.offset + len(payload)
         if end > len(st["buf"]):
             raise WeightError(f"{c.name}.{c.part}: chunk runs past the part's {len(st['buf'])} bytes")
-        st["buf"][c.offset:end] = c.payload
+        if zlib.crc32(payload) != c.crc32:
+            raise WeightError(f"{c.name}.{c.part}: checksum mismatch at offset {c.offset} (corrupted in transit)")
+        st["buf"][c.offset:end] = payload
         st["filled"] = end
-        self.bytes += len(c.payload)
+        self.bytes += len(payload)
         if end == len(st["buf"]):
-            if zlib.crc32(st["buf"]) != st["crc"]:
-                raise WeightError(f"{c.name}.{c.part}: checksum mismatch (corrupted in transit)")
             self._maybe_complete(c.name, fmt, tuple(shape))
 
     def _maybe_complete(self, name: str, fmt: str, shape: tuple) -> None:
@@ -163,8 +185,7 @@ class WeightAssembler:
             st = self.parts.get((name, part))
             if st is None or st["filled"] != len(st["buf"]):
                 return
-            got[part] = torch.frombuffer(st["buf"], dtype=torch.uint8).view(st["dtype"]).reshape(st["shape"]) \
-                if st["buf"] else torch.empty(st["shape"], dtype=st["dtype"])
+            got[part] = st["tensor"].view(st["dtype"]).reshape(st["shape"])
         for part in names:
             del self.parts[(name, part)]
         if fmt == "nvfp4":
@@ -179,7 +200,7 @@ class WeightAssembler:
                 raise WeightError(f"{name}: {e}") from None
         else:
             t = got["data"]
-            if not bool(torch.isfinite(t.float()).all()):
+            if t.numel() and not all(bool(torch.isfinite(v)) for v in torch.aminmax(t)):  # NaN/Inf reach min or max
                 raise WeightError(f"{name}: contains NaN or Inf")
             self.tensors[name] = t
 

@@ -9,7 +9,7 @@ from minite.v1 import learner_pb2_grpc as pb_grpc
 from .runtime import LearnerRuntime, StaleVersion
 
 PROTECTED = {"/minite.v1.LearnerService/SubmitTrajectories"}
-MAX_TRAJECTORIES = 4096  # per call: bounded memory
+MAX_TRAJECTORIES = 4096  # per call: bounded memory (each is also bounded by the model's context)
 
 
 class LearnerServicer(pb_grpc.LearnerServiceServicer):
@@ -18,13 +18,15 @@ class LearnerServicer(pb_grpc.LearnerServiceServicer):
 
     def SubmitTrajectories(self, request_iterator, context):
         batch = []
-        for t in request_iterator:
-            if len(batch) == MAX_TRAJECTORIES:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"more than {MAX_TRAJECTORIES} trajectories in one call")
-            batch.append({"prompt_ids": list(t.prompt_ids), "completion_ids": list(t.completion_ids),
-                          "rollout_logprobs": list(t.rollout_logprobs), "reward": t.reward,
-                          "weight_version": t.weight_version, "temperature": t.temperature})
         try:
+            for t in request_iterator:  # checked as they arrive: nothing unbounded is buffered
+                if len(batch) == MAX_TRAJECTORIES:
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"more than {MAX_TRAJECTORIES} trajectories in one call")
+                traj = {"prompt_ids": list(t.prompt_ids), "completion_ids": list(t.completion_ids),
+                        "rollout_logprobs": list(t.rollout_logprobs), "reward": t.reward,
+                        "weight_version": t.weight_version, "temperature": t.temperature or 1.0}
+                self.rt.check_trajectory(traj, len(batch))
+                batch.append(traj)
             stats = self.rt.submit(batch)
         except StaleVersion as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
@@ -35,7 +37,7 @@ class LearnerServicer(pb_grpc.LearnerServiceServicer):
 
     def Score(self, request, context):
         try:
-            lps, version = self.rt.score(list(request.prompt_ids), list(request.completion_ids), request.temperature)
+            lps, version = self.rt.score(list(request.prompt_ids), list(request.completion_ids), request.temperature or 1.0)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.ScoreResponse(logprobs=lps, weight_version=version)

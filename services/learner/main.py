@@ -20,7 +20,7 @@ log = logging.getLogger("minite.learner")
 SERVICE = learner_pb2.DESCRIPTOR.services_by_name["LearnerService"].full_name
 
 
-def serve(settings: LearnerSettings) -> None:
+def serve(settings: LearnerSettings) -> bool:
     setup_logging(settings.log_level)
     runtime = LearnerRuntime(settings)
     server, port, health = rpc.make_server(
@@ -43,12 +43,14 @@ def serve(settings: LearnerSettings) -> None:
             health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         runtime.stop()
         server.stop(grace=5).wait()
+    return not (runtime.last_error and not runtime.done)  # the training loop failed: a non-zero exit
 
 
 def main(argv: list[str]) -> int:
     settings = parse(LearnerSettings, argv, "minite learner")
     try:
-        serve(settings)
+        if not serve(settings):
+            return 1
     except (FileNotFoundError, ValueError, RuntimeError) as e:  # start-up problems: a model dir, a port, a flag
         print(f"minite learner: error: {e}", file=sys.stderr)
         return 2

@@ -1,8 +1,9 @@
 """The learner's view of its rollout replicas: generation spread across them and weight versions
 fanned out to all of them, over gRPC.
 
-`generate` splits the prompts round-robin over the healthy replicas and calls Generate concurrently
-(one thread per request, bounded); `update` pushes a weight version to every replica at once (the
+`generate` splits the prompts round-robin over the healthy replicas and calls Generate concurrently,
+at most `MAX_IN_FLIGHT` requests per replica (a replica's queue is bounded: more would be refused), and
+retries a call the replica refused as overloaded after a short back-off; `update` pushes a weight version to every replica at once (the
 packed tensors are serialized once; each replica gets its own stream). A replica that is down is
 reported and retried on the next call; with no replica reachable, calls raise ReplicaError and the
 learner loop waits and reports instead of crashing.
@@ -25,10 +26,15 @@ from ..common import rpc
 from ..common.weights import encode_update
 
 log = logging.getLogger("minite.learner")
+MAX_IN_FLIGHT = 8  # Generate calls per replica at once
 
 
 class ReplicaError(RuntimeError):
     """No rollout replica could serve the call."""
+
+
+class NewerVersion(ReplicaError):
+    """Replicas serve a version above the learner's (it restarted): it must re-sync above them."""
 
 
 class Replica:
@@ -38,6 +44,7 @@ class Replica:
         self.stub = pb_grpc.RolloutServiceStub(self.channel)
         self.version = None  # the version this replica was last seen to serve
         self.healthy = True
+        self.slots = threading.BoundedSemaphore(MAX_IN_FLIGHT)
 
 
 class RemoteRollout:
@@ -61,7 +68,7 @@ class RemoteRollout:
             req = pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=prompt), params=pb.SamplingParams(
                 max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                 seed=params.seed, stop_token_ids=list(params.stop_token_ids), n=params.n))
-            calls.append((r, rep, self.pool.submit(rep.stub.Generate, req, timeout=self.timeout)))
+            calls.append((r, rep, self.pool.submit(self._generate_one, rep, req)))
         out = []
         for r, rep, fut in calls:
             try:
@@ -74,9 +81,30 @@ class RemoteRollout:
                                       c.finish_reason, c.weight_version, r, c.index))
         return out
 
+    def _generate_one(self, rep: Replica, req) -> pb.GenerateResponse:
+        deadline = time.monotonic() + self.timeout
+        with rep.slots:
+            while True:
+                try:
+                    return rep.stub.Generate(req, timeout=max(deadline - time.monotonic(), 0.001))
+                except grpc.RpcError as e:  # overloaded is not down: wait, retry within the deadline
+                    if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline - 0.2:
+                        raise
+                    time.sleep(0.1)
+
+    def version_floor(self) -> int:
+        """The highest version any replica serves (0 when none answers)."""
+        floor = 0
+        for rep in self.replicas:
+            try:
+                floor = max(floor, rep.stub.GetWeightVersion(pb.GetWeightVersionRequest(), timeout=5).version)
+            except grpc.RpcError:
+                pass
+        return floor
+
     def _live(self) -> list[Replica]:
         """Replicas that answer, each brought to the current weight version first."""
-        live = []
+        live, newer = [], False
         for rep in self.replicas:
             try:
                 v = rep.stub.GetWeightVersion(pb.GetWeightVersionRequest(), timeout=5).version
@@ -84,6 +112,10 @@ class RemoteRollout:
                 if rep.healthy:
                     log.warning("rollout %s is not answering (%s)", rep.address, e.code().name)
                 rep.healthy = False
+                continue
+            if v > self.version:  # newer than ours: another learner pushed; sampling here would be off-policy
+                log.warning("rollout %s serves version %d, newer than the learner's %d: skipped", rep.address, v, self.version)
+                rep.healthy, newer = False, True
                 continue
             if self.weights is not None and v != self.version:
                 log.warning("rollout %s serves version %d, the learner is at %d: re-pushing", rep.address, v, self.version)
@@ -97,6 +129,8 @@ class RemoteRollout:
                 log.info("rollout %s is back", rep.address)
             rep.healthy = True
             live.append(rep)
+        if not live and newer:
+            raise NewerVersion(f"rollout replicas serve a newer weight version than the learner's {self.version}")
         if not live:
             raise ReplicaError("no rollout replica is reachable: " + ", ".join(r.address for r in self.replicas))
         return live

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from typing import Literal
 
 from fastapi import FastAPI, Header, Request
@@ -22,7 +21,7 @@ log = logging.getLogger("minite.auth")
 class ScoreRequest(BaseModel):
     prompt_ids: list[int] = Field(..., min_length=1)
     completion_ids: list[int] = Field(..., min_length=1)
-    temperature: float = Field(1.0, ge=0, description="0 is read as 1, as the rollout engine reports logprobs")
+    temperature: float = Field(1.0, description="0 is read as 1, as the rollout engine reports logprobs")
 
 
 class ControlRequest(BaseModel):
@@ -44,10 +43,8 @@ def build_app(rt: LearnerRuntime) -> FastAPI:
 
     @app.post("/v1/score")
     async def score(body: ScoreRequest):
-        if not math.isfinite(body.temperature):
-            return _error(400, "temperature must be finite")
         try:
-            lps, version = await asyncio.to_thread(rt.score, body.prompt_ids, body.completion_ids, body.temperature)
+            lps, version = await asyncio.to_thread(rt.score, body.prompt_ids, body.completion_ids, body.temperature or 1.0)
         except ValueError as e:
             return _error(400, str(e))
         return {"logprobs": lps, "weight_version": version}

@@ -11,17 +11,19 @@ same lock as the step, so they see one weight version at a time.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 
 import torch
 
 from minite_core.consistency import drift_stats
+from minite_core.engine import check_temperature
 from minite_core.rl.grpo import GRPOConfig
 from minite_core.rl.trainer import TrainConfig, Trainer, run
 
 from ..common.metrics import LearnerMetrics
-from .replicas import RemoteRollout, ReplicaError
+from .replicas import NewerVersion, RemoteRollout, ReplicaError
 
 log = logging.getLogger("minite.learner")
 
@@ -71,6 +73,11 @@ class LearnerRuntime:
 
     # -- the loop ---------------------------------------------------------------------------------
     def _retry(self, e: Exception) -> bool:
+        if isinstance(e, NewerVersion):  # re-quantize and push above the replicas' version
+            with self.lock:
+                self.trainer.sync_weights()
+            self.metrics.weight_version.set(self.trainer.version)
+            return not self.stopping.is_set()
         if isinstance(e, ReplicaError) or (isinstance(e, RuntimeError) and "weight version" in str(e)):
             self.last_error = str(e)
             log.warning("step %d waits: %s", self.trainer.step_idx + 1, e)
@@ -100,6 +107,8 @@ class LearnerRuntime:
             try:
                 self.rollout._live()
                 break
+            except NewerVersion as e:
+                self._retry(e)
             except ReplicaError as e:
                 self.last_error = str(e)
                 log.warning("waiting for a rollout replica: %s", e)
@@ -131,10 +140,22 @@ class LearnerRuntime:
             raise ValueError(f"{len(prompt) + len(completion)} tokens exceed the model's context of "
                              f"{self.trainer.policy.cfg.max_position_embeddings}")
 
+    def check_trajectory(self, t: dict, i: int = 0) -> None:
+        """Refuse a trajectory that cannot be scored or would poison the drift metrics (ValueError)."""
+        try:
+            self._check(t["prompt_ids"], t["completion_ids"])
+            check_temperature(t["temperature"])
+        except ValueError as e:
+            raise ValueError(f"trajectory {i}: {e}") from None
+        lps = t["rollout_logprobs"]
+        if len(lps) != len(t["completion_ids"]):
+            raise ValueError(f"trajectory {i}: {len(lps)} logprobs for {len(t['completion_ids'])} completion tokens")
+        if not all(math.isfinite(x) and x <= 0 for x in lps):
+            raise ValueError(f"trajectory {i}: rollout logprobs must be finite and <= 0")
+
     def score(self, prompt: list[int], completion: list[int], temperature: float = 1.0) -> tuple[list[float], int]:
         self._check(prompt, completion)
-        if not temperature >= 0 or temperature != temperature or temperature == float("inf"):
-            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+        check_temperature(temperature)
         with self.lock, torch.no_grad():
             lp = self.trainer.learner.logprobs(prompt, completion, temperature or 1.0)
             return lp.tolist(), self.trainer.version
@@ -144,10 +165,7 @@ class LearnerRuntime:
         if not trajectories:
             raise ValueError("no trajectories")
         for i, t in enumerate(trajectories):
-            self._check(t["prompt_ids"], t["completion_ids"])
-            if len(t["rollout_logprobs"]) != len(t["completion_ids"]):
-                raise ValueError(f"trajectory {i}: {len(t['rollout_logprobs'])} logprobs for "
-                                 f"{len(t['completion_ids'])} completion tokens")
+            self.check_trajectory(t, i)
         with self.lock, torch.no_grad():
             for i, t in enumerate(trajectories):
                 if t["weight_version"] != self.trainer.version:

@@ -24,6 +24,12 @@ from .runtime import Overloaded, RolloutRuntime
 log = logging.getLogger("minite.rollout")
 PROTECTED = {"/minite.v1.RolloutService/UpdateWeights"}
 _DONE = object()
+NO_DEADLINE = 86400.0  # grpc reports a huge time_remaining() when the client set no deadline
+
+
+def _remaining(context) -> float | None:
+    r = context.time_remaining()
+    return None if r is None or r > NO_DEADLINE else r
 
 
 def sampling_params(p: pb.SamplingParams) -> SamplingParams:
@@ -50,7 +56,10 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         if which == "text":
             if self.rt.tokenizer is None:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "this model has no tokenizer: send prompt_ids")
-            return self.rt.tokenizer.encode(request.text).ids
+            try:
+                return self.rt.tokenizer.encode(request.text).ids
+            except Exception as e:  # the tokenizer refuses what it cannot read (e.g. lone surrogates)
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot tokenize the prompt text: {e}")
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request has no prompt: set prompt_ids or text")
 
     def _submit(self, request, context, on_token=None, on_done=None):
@@ -74,8 +83,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     def Generate(self, request, context):
         finished = threading.Event()
         req = self._submit(request, context, on_done=lambda r: finished.set())
-        remaining = context.time_remaining()
-        if not finished.wait(timeout=remaining if remaining is not None else None):
+        if not finished.wait(timeout=_remaining(context)):
             self.rt.cancel(req)
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded before the completion finished")
         self.rt.metrics.requests.labels("grpc", "ok").inc()
@@ -88,7 +96,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     def GenerateStream(self, request, context):
         events: queue.Queue = queue.Queue()
         req = self._submit(request, context, on_token=lambda *a: events.put(a), on_done=lambda r: events.put(_DONE))
-        deadline = None if context.time_remaining() is None else time.monotonic() + context.time_remaining()
+        remaining = _remaining(context)
+        deadline = None if remaining is None else time.monotonic() + remaining
+        ended: set[int] = set()
         while True:
             try:
                 ev = events.get(timeout=None if deadline is None else max(deadline - time.monotonic(), 0.0))
@@ -98,23 +108,28 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             if ev is _DONE:
                 break
             i, tok, lp, finish = ev
+            if finish:
+                ended.add(i)
             yield pb.GenerateStreamResponse(index=i, token_id=tok, logprob=lp, finish_reason=finish or "",
                                             weight_version=req.version, text=self._text([tok]))
-        for q in req.seqs:  # sequences that ended without a token of their own (aborted): say so
-            if q.finish == "abort":
-                yield pb.GenerateStreamResponse(index=q.sample_index, finish_reason="abort", weight_version=req.version)
+        for q in req.seqs:  # samples that ended without a token of their own (aborted): say so, token unset
+            if q.sample_index not in ended:
+                yield pb.GenerateStreamResponse(index=q.sample_index, finish_reason=q.finish or "abort",
+                                                weight_version=req.version)
         self.rt.metrics.requests.labels("grpc", "ok").inc()
 
     def UpdateWeights(self, request_iterator, context):
         t0 = time.perf_counter()
         m = self.rt.metrics
         with self.update_lock:
-            asm = WeightAssembler(self.rt.expected, self.rt.version)
+            on_cpu = self.rt.engine.model.device.type == "cpu"  # (on a GPU the arena is only a staging buffer)
+            asm = WeightAssembler(self.rt.expected, self.rt.version, arena_pool=self.rt.take_arena if on_cpu else None)
             try:
                 for msg in request_iterator:
                     asm.feed(msg)
                 version, abort, weights = asm.result()
             except WeightError as e:
+                self.rt.give_back_arena(getattr(asm, "arena", None) if on_cpu else None)
                 m.sync_rejected.inc()
                 log.warning("weight push refused: %s", e)
                 code = grpc.StatusCode.FAILED_PRECONDITION if "stale" in str(e) else grpc.StatusCode.INVALID_ARGUMENT
@@ -123,8 +138,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             device = self.rt.engine.model.device
             weights = {n: t.to(device) for n, t in weights.items()}
             try:
-                aborted = self.rt.update_weights(weights, version, abort)
+                aborted = self.rt.update_weights(weights, version, abort, asm.arena if on_cpu else None)
             except ValueError as e:  # a concurrent newer push won
+                self.rt.give_back_arena(asm.arena if on_cpu else None)
                 m.sync_rejected.inc()
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         seconds = time.perf_counter() - t0

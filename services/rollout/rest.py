@@ -58,6 +58,13 @@ class _Sampling(BaseModel):
             raise ValueError("must be a finite number")
         return v
 
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _ids(cls, v):
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("token ids must be >= 0")
+        return v
+
     def sampling(self) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=self.seed, n=self.n,
@@ -83,6 +90,7 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, description="OpenAI's newer name for max_tokens (wins if set)")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=0, description="only the sampled token's logprob is available")
 
@@ -113,7 +121,10 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
             return prompt
         if rt.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: send the prompt as token ids")
-        return rt.tokenizer.encode(prompt).ids
+        try:
+            return rt.tokenizer.encode(prompt).ids
+        except Exception as e:  # the tokenizer refuses what it cannot read (e.g. lone surrogates)
+            raise ApiError(400, f"cannot tokenize the prompt: {e}") from None
 
     def text_of(ids) -> str:
         return rt.tokenizer.decode(list(ids)) if rt.tokenizer is not None else ""
@@ -131,6 +142,8 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
 
         def on_done(r):
             loop.call_soon_threadsafe(lambda: finished.done() or finished.set_result(r))
+            if events is not None:
+                loop.call_soon_threadsafe(events.put_nowait, None)  # after every token: the end marker
         try:
             req = await asyncio.to_thread(rt.submit, prompt, body.sampling(), on_token=on_token, on_done=on_done,
                                           stop=body.stops())
@@ -145,7 +158,7 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
     async def wait(req, finished, request: Request):
         while not finished.done():  # cancel the work if the client hangs up
             if await request.is_disconnected():
-                rt.cancel(req)
+                await asyncio.to_thread(rt.cancel, req)
                 raise ApiError(499, "client closed the request")
             await asyncio.wait({finished}, timeout=0.25)
         rt.metrics.requests.labels("rest", "ok").inc()
@@ -163,29 +176,38 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
     async def sse(kind: str, body, req, events: asyncio.Queue, request: Request):
         rid, created = f"{'cmpl' if kind == 'cmpl' else 'chatcmpl'}-{uuid.uuid4().hex[:16]}", int(time.time())
         obj = "text_completion" if kind == "cmpl" else "chat.completion.chunk"
-        remaining = {q.sample_index for q in req.seqs}
+        stops = body.stops()
+        sent = {q.sample_index: "" for q in req.seqs}  # text streamed so far per choice
+        toks: dict[int, list[int]] = {q.sample_index: [] for q in req.seqs}
+        ended: set[int] = set()
         try:
-            while remaining:
+            while True:
                 try:
-                    i, tok, lp, finish = await asyncio.wait_for(events.get(), timeout=0.25)
+                    ev = await asyncio.wait_for(events.get(), timeout=0.25)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
-                        rt.cancel(req)
                         return
-                    if all(q.finish for q in req.seqs) and events.empty():  # aborted without a last token
-                        for q in req.seqs:
-                            if q.sample_index in remaining:
-                                remaining.discard(q.sample_index)
-                                yield _chunk(rid, obj, created, name, kind, q.sample_index, None, None, q.finish, req)
                     continue
+                if ev is None:  # on_done: every token is already in the queue before this marker
+                    break
+                i, tok, lp, finish = ev
+                toks[i].append(tok)
+                # the text so far, cut at a stop string: the delta is what was not streamed yet (a stop string
+                # of several tokens may have begun streaming before it was complete)
+                text = trim(text_of(toks[i]), stops)
+                delta = text[len(sent[i]):]
+                sent[i] = sent[i] + delta
                 if finish:
-                    remaining.discard(i)
-                yield _chunk(rid, obj, created, name, kind, i, tok, lp, finish, req, text_of([tok]), piece(tok), body)
+                    ended.add(i)
+                yield _chunk(rid, obj, created, name, kind, i, tok, lp, finish, req, delta, piece(tok), body)
+            for q in req.seqs:  # samples that ended without a token of their own (aborted)
+                if q.sample_index not in ended:
+                    yield _chunk(rid, obj, created, name, kind, q.sample_index, None, None, q.finish, req)
             rt.metrics.requests.labels("rest", "ok").inc()
             yield "data: [DONE]\n\n"
         finally:
             if not all(q.finish for q in req.seqs):
-                rt.cancel(req)
+                await asyncio.to_thread(rt.cancel, req)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -216,6 +238,8 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
+        if body.max_completion_tokens is not None:
+            body.max_tokens = body.max_completion_tokens
         prompt = tokens_of("".join(m.content for m in body.messages))
         if not prompt:
             raise ApiError(400, "the messages have no content")

@@ -10,6 +10,8 @@ import logging
 import threading
 import time
 
+import torch
+
 from minite_core.engine import RolloutEngine, SamplingParams
 from minite_core.model import load_model
 
@@ -37,6 +39,8 @@ class RolloutRuntime:
         self.accepting = True
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self.metrics.weight_version.set(0)
+        self.serving_arena = None  # the memory the serving weights live in (after the first push)
+        self.retired: list[tuple[int, torch.Tensor]] = []  # (version, arena) of replaced weight sets
         self.thread.start()
 
     @property
@@ -54,8 +58,8 @@ class RolloutRuntime:
         params.validate()
         if params.max_tokens > s.max_tokens_limit:
             raise ValueError(f"max_tokens must be <= {s.max_tokens_limit}, got {params.max_tokens}")
-        if params.n > s.max_n:
-            raise ValueError(f"n must be <= {s.max_n}, got {params.n}")
+        if params.n > min(s.max_n, s.max_waiting):
+            raise ValueError(f"n must be <= {min(s.max_n, s.max_waiting)}, got {params.n}")
         if not prompt:
             raise ValueError("the prompt is empty")
         vocab = self.engine.model.cfg.vocab_size
@@ -77,6 +81,12 @@ class RolloutRuntime:
         state = {"first": None, "last": {}, "text": {}}
 
         def token(i, tok, lp, finish):
+            try:
+                _token(i, tok, lp, finish)
+            except Exception:  # a client's callback must never break the engine loop
+                log.exception("token callback failed")
+
+        def _token(i, tok, lp, finish):
             now = time.perf_counter()
             m.generated_tokens.inc()
             if state["first"] is None:
@@ -97,7 +107,10 @@ class RolloutRuntime:
         def done(r):
             m.e2e.observe(time.perf_counter() - arrival)
             if on_done is not None:
-                on_done(r)
+                try:
+                    on_done(r)
+                except Exception:
+                    log.exception("completion callback failed")
 
         with self.lock:
             if not self.accepting:
@@ -116,9 +129,30 @@ class RolloutRuntime:
             self._gauges()
 
     # -- weights ----------------------------------------------------------------------------------
-    def update_weights(self, weights: dict, version: int, abort_in_flight: bool) -> int:
+    def take_arena(self, nbytes: int) -> torch.Tensor:
+        """Memory for an incoming weight set: a retired version's arena once no request uses that version
+        any more (its pages are already faulted in), else a new one."""
         with self.lock:
+            in_flight = {q.request.version for q in list(self.engine.waiting) + self.engine.running}
+            for i, (v, arena) in enumerate(self.retired):
+                if v not in in_flight and arena.numel() >= nbytes:
+                    del self.retired[i]
+                    return arena
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give_back_arena(self, arena: torch.Tensor | None) -> None:
+        """An arena whose push was refused: nothing references it."""
+        if arena is not None:
+            with self.lock:
+                self.retired.append((-1, arena))
+
+    def update_weights(self, weights: dict, version: int, abort_in_flight: bool, arena=None) -> int:
+        with self.lock:
+            old_version = self.engine.weight_version
             aborted = self.engine.set_weights(weights, version, abort_in_flight=abort_in_flight)
+            if self.serving_arena is not None:
+                self.retired = self.retired[-1:] + [(old_version, self.serving_arena)]  # keep at most two
+            self.serving_arena = arena
             self.metrics.weight_version.set(version)
             self._gauges()
         log.info("serving weight version %d (%d sequences aborted)", version, aborted)
