@@ -25,11 +25,10 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.learner import CONFIGS, make_config  # noqa: E402
-from minite.v1 import rollout_pb2_grpc  # noqa: E402
 from minite_core.model import load_model  # noqa: E402
 from minite_core.model.random_init import random_checkpoint  # noqa: E402
 from services.common.rpc import message_options  # noqa: E402
-from services.common.weights import encode_update, push_bytes  # noqa: E402
+from services.common.weights import encode_update, push_bytes, raw_update_call  # noqa: E402
 from services.up import Proc  # noqa: E402
 
 
@@ -54,12 +53,12 @@ def main() -> None:
             try:
                 proc.wait_ready(600)
                 ch = grpc.insecure_channel("127.0.0.1:50061", options=message_options(8))
-                stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+                update = raw_update_call(ch)  # as the learner pushes
                 times = []
                 for v in range(1, args.repeats + 1):
                     t0 = time.perf_counter()
-                    resp = stub.UpdateWeights(encode_update(weights, v, chunk_bytes=int(args.chunk_mb * (1 << 20))),
-                                              metadata=(("authorization", f"Bearer {token}"),), timeout=600)
+                    resp = update(encode_update(weights, v, chunk_bytes=int(args.chunk_mb * (1 << 20)), raw=True),
+                                  metadata=(("authorization", f"Bearer {token}"),), timeout=600)
                     times.append(time.perf_counter() - t0)
                     assert resp.bytes == nbytes and resp.version == v
                 ch.close()

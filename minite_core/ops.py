@@ -228,7 +228,7 @@ def linear(
 
 
 # ------------------------------------------------------------------------------- row-local ops
-# These have no Triton kernel yet: every backend runs the torch implementation (CPU or GPU), which is
+# These have no Triton kernel yet (attention has: below): every backend runs the torch implementation, which is
 # batch-invariant and decode == prefill by construction (see `reduce.tree_sum`).
 
 
@@ -263,13 +263,20 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor, *,
               scale: float | None = None, backend: str | None = None) -> torch.Tensor:
-    """Causal GQA attention, q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D]; see `reference.attention`."""
-    resolve_backend(backend)
+    """Causal GQA attention, q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] -> fp32; see `reference.attention`
+    (torch backend) and `kernels.attention` (triton backend). Either way prefill == decode, bit for bit."""
+    backend = resolve_backend(backend)
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"attention shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
-    return reference.attention(q, k, v, q_pos, kv_len, q.shape[-1] ** -0.5 if scale is None else scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if backend == "triton":
+        from .kernels.attention import AttentionFunction
+
+        _check_triton_device(q, "q")
+        return AttentionFunction.apply(q, k, v, q_pos, kv_len, scale)
+    return reference.attention(q, k, v, q_pos, kv_len, scale)
 
 
 # ------------------------------------------------------------------------------- misalignment knobs

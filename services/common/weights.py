@@ -47,22 +47,60 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
-def encode_update(weights: dict, version: int, *, abort_in_flight: bool = False, chunk_bytes: int = 2 << 20):
-    """Yield the messages of one full weight push (tensors in name order)."""
-    yield pb.UpdateWeightsRequest(begin=pb.UpdateBegin(
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+_CHUNK_FIELD = b"\x12"  # UpdateWeightsRequest.chunk: field 2, length-delimited
+_PAYLOAD_FIELD = b"\x42"  # TensorChunk.payload: field 8, length-delimited
+
+
+def encode_update(weights: dict, version: int, *, abort_in_flight: bool = False, chunk_bytes: int = 2 << 20,
+                  raw: bool = False):
+    """Yield the messages of one full weight push (tensors in name order); with `raw`, already serialized.
+
+    A chunk is serialized by hand around its payload: protobuf encodes the small fields, and the payload
+    field (a tag, a length, the bytes) is appended to them, so the tensor's bytes are copied once, into
+    the wire message, instead of three times (slice, message, serialization). The bytes are a valid
+    UpdateWeightsRequest (fields may come in any order on the wire)."""
+    begin = pb.UpdateWeightsRequest(begin=pb.UpdateBegin(
         version=version, num_tensors=len(weights),
         mode=pb.UPDATE_MODE_ABORT_IN_FLIGHT if abort_in_flight else pb.UPDATE_MODE_FINISH_IN_FLIGHT))
+    frames = _frames(weights, chunk_bytes)
+    for msg in [begin.SerializeToString()] if raw else [begin]:
+        yield msg
+    for frame in frames:
+        yield frame if raw else pb.UpdateWeightsRequest.FromString(frame)
+    end = pb.UpdateWeightsRequest(end=pb.UpdateEnd())
+    yield end.SerializeToString() if raw else end
+
+
+def _frames(weights: dict, chunk_bytes: int):
     for name in sorted(weights):
         t = weights[name]
         fmt, shape = describe(t)
         for part, tensor in _parts(t):
-            raw = _as_bytes(tensor)
-            for off in range(0, max(len(raw), 1), chunk_bytes):
-                payload = bytes(raw[off:off + chunk_bytes])
-                yield pb.UpdateWeightsRequest(chunk=pb.TensorChunk(
-                    name=name, format=fmt, shape=shape, part=part, part_shape=tuple(tensor.shape), offset=off,
-                    part_bytes=len(raw), payload=payload, crc32=zlib.crc32(payload)))
-    yield pb.UpdateWeightsRequest(end=pb.UpdateEnd())
+            data = _as_bytes(tensor)
+            for off in range(0, max(len(data), 1), chunk_bytes):
+                payload = data[off:off + chunk_bytes]  # a view: no copy yet
+                head = pb.TensorChunk(name=name, format=fmt, shape=shape, part=part, part_shape=tuple(tensor.shape),
+                                      offset=off, part_bytes=len(data), crc32=zlib.crc32(payload)).SerializeToString()
+                inner = len(head) + 1 + len(_varint(len(payload))) + len(payload)
+                yield b"".join((_CHUNK_FIELD, _varint(inner), head, _PAYLOAD_FIELD, _varint(len(payload)), payload))
+
+
+UPDATE_METHOD = "/minite.v1.RolloutService/UpdateWeights"
+
+
+def raw_update_call(channel):
+    """UpdateWeights on `channel` taking the already serialized messages of encode_update(raw=True)."""
+    return channel.stream_unary(UPDATE_METHOD, request_serializer=None,
+                                response_deserializer=pb.UpdateWeightsResponse.FromString)
 
 
 def push_bytes(weights: dict) -> int:

@@ -23,7 +23,7 @@ from minite.v1 import rollout_pb2_grpc as pb_grpc
 from minite_core.engine import Completion, SamplingParams
 
 from ..common import rpc
-from ..common.weights import encode_update
+from ..common.weights import encode_update, raw_update_call
 
 log = logging.getLogger("minite.learner")
 MAX_IN_FLIGHT = 8  # Generate calls per replica at once
@@ -42,6 +42,7 @@ class Replica:
         self.address = address
         self.channel = rpc.channel(address, settings)
         self.stub = pb_grpc.RolloutServiceStub(self.channel)
+        self.update_weights = raw_update_call(self.channel)
         self.version = None  # the version this replica was last seen to serve
         self.healthy = True
         self.slots = threading.BoundedSemaphore(MAX_IN_FLIGHT)
@@ -138,8 +139,8 @@ class RemoteRollout:
     # -- weights --------------------------------------------------------------------------------
     def _push(self, rep: Replica, weights: dict, version: int) -> pb.UpdateWeightsResponse:
         t0 = time.perf_counter()
-        resp = rep.stub.UpdateWeights(encode_update(weights, version, chunk_bytes=self.chunk_bytes),
-                                      metadata=rpc.auth_metadata(self.settings), timeout=self.timeout)
+        resp = rep.update_weights(encode_update(weights, version, chunk_bytes=self.chunk_bytes, raw=True),
+                                  metadata=rpc.auth_metadata(self.settings), timeout=self.timeout)
         self.metrics.sync_seconds.observe(time.perf_counter() - t0)
         self.metrics.sync_bytes.inc(resp.bytes)
         rep.version = version
