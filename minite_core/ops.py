@@ -247,17 +247,33 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None
 
 
 def log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, backend: str | None = None) -> torch.Tensor:
-    resolve_backend(backend)
+    """log_softmax(logits / temperature) over the last dimension, fp32."""
+    backend = resolve_backend(backend)
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if backend == "triton":
+        from .kernels import logsoftmax as k
+
+        _check_triton_device(logits, "logits")
+        return k.scaled(logits, temperature) - k.lse(logits, temperature).unsqueeze(-1)
     return reference.log_softmax(logits, temperature)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, *,
                    backend: str | None = None) -> torch.Tensor:
-    """log_softmax(logits / temperature)[..., token]: the logprob both engines report for a sampled token."""
+    """log_softmax(logits / temperature)[..., token]: the logprob both engines report for a sampled token.
+    The triton backend's is fused (no log-softmax over the vocabulary in the forward) and equals
+    `log_softmax(...)[token]` of the same backend bit for bit."""
     if logits.shape[:-1] != tokens.shape:
         raise ValueError(f"tokens {tuple(tokens.shape)} do not match logits {tuple(logits.shape)}")
+    if resolve_backend(backend) == "triton":
+        from .kernels.logsoftmax import TokenLogprob
+
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        _check_triton_device(logits, "logits")
+        out = TokenLogprob.apply(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1), float(temperature))
+        return out.reshape(tokens.shape)
     return log_softmax(logits, temperature, backend=backend).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 

@@ -120,7 +120,8 @@ def diagnose(rollout_model: Qwen3, learner_model: Qwen3, prompts: list, params: 
     for i, o in enumerate(outs):
         p, c = len(o.prompt_ids), len(o.token_ids)
         rows = logits_b[i, p - 1 : p + c - 1]
-        lp_b.append(ops.token_logprobs(rows, torch.tensor(o.token_ids, device=rows.device), temperature))
+        lp_b.append(ops.token_logprobs(rows, torch.tensor(o.token_ids, device=rows.device), temperature,
+                                       backend=learner_model.backend))
         am_b.append(rows.argmax(-1).cpu())
         am_a.append(torch.cat(rows_a[(o.request_index, o.sample_index)]["lm_head"])[p - 1 : p + c - 1].argmax(-1).cpu())
     stats = drift_stats([o.logprobs for o in outs], lp_b, am_a, am_b)

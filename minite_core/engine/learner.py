@@ -38,9 +38,9 @@ class Learner:
         out, ent = [], []
         for i, (p, c) in enumerate(zip(prompts, completions)):
             rows = logits[i, len(p) - 1 : len(p) + len(c) - 1]
-            out.append(ops.token_logprobs(rows, torch.tensor(list(c), device=dev), t))
+            out.append(ops.token_logprobs(rows, torch.tensor(list(c), device=dev), t, backend=self.model.backend))
             if return_entropy:
                 with torch.no_grad():
-                    lsm = ops.log_softmax(rows, t)
+                    lsm = ops.log_softmax(rows, t, backend=self.model.backend)
                     ent.append(-(torch.exp(lsm) * lsm).sum(-1))
         return (out, ent) if return_entropy else out

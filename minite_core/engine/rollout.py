@@ -119,10 +119,11 @@ class Request:
                            q.finish, self.version, self.index, q.sample_index) for q in self.seqs]
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[int, torch.Tensor]:
+def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator,
+           backend: str | None = None) -> tuple[int, torch.Tensor]:
     """Draw one token from logits [V]; return it and its logprob (full-vocabulary log-softmax at T)."""
     t = params.temperature if params.temperature > 0 else 1.0
-    logp = ops.log_softmax(logits.unsqueeze(0), t)[0]
+    logp = ops.log_softmax(logits.unsqueeze(0), t, backend=backend)[0]
     if params.temperature == 0:
         tok = int(torch.argmax(logits))
         return tok, logp[tok]
@@ -255,7 +256,7 @@ class RolloutEngine:
 
     # -- the scheduler --------------------------------------------------------------------------
     def _append(self, seq: _Seq, logits: torch.Tensor) -> None:
-        tok, lp = sample(logits, seq.params, seq.gen)
+        tok, lp = sample(logits, seq.params, seq.gen, self.model.backend)
         seq.tokens.append(tok)
         seq.logprobs.append(lp)
         if tok in seq.params.stop_token_ids:

@@ -1,6 +1,6 @@
-"""The Triton attention kernel (on the CPU under TRITON_INTERPRET=1, on the GPU when there is one): decode
-over a KV cache == prefill, bit for bit; independent of batch mates; close to the torch reference and to
-SDPA; a gradient through the learner's backward close to the fp32 autograd one."""
+"""The Triton attention and log-sum-exp kernels (on the CPU under TRITON_INTERPRET=1, on the GPU when
+there is one): decode over a KV cache == prefill, bit for bit; independent of batch mates; close to the
+torch reference, SDPA and torch.log_softmax; gradients close to the fp32 autograd ones."""
 import pytest
 import torch
 
@@ -75,3 +75,24 @@ def test_bad_head_dim(device):
     with pytest.raises(ValueError, match="head_dim"):
         ops.attention(q, q, q, torch.zeros(1, 2, dtype=torch.long, device=device), torch.ones(1, dtype=torch.long, device=device),
                       backend="triton")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("t", [1.0, 0.7])
+def test_logsoftmax_kernel_invariant_fused_equal_and_close(device, t):
+    """The Triton log-sum-exp: one row alone == that row in a batch; the fused token logprob == the full
+    log-softmax at the token (what rollout and learner compare); close to torch; gradient close."""
+    v = 301  # not a multiple of the block
+    x = _rand(9, v, seed=13, device=device, dtype=torch.float32) * 4
+    tok = torch.randint(0, v, (9,), generator=torch.Generator().manual_seed(0)).to(device)
+    full = ops.log_softmax(x, t, backend="triton")
+    assert torch.equal(ops.log_softmax(x[4:5], t, backend="triton"), full[4:5])
+    fused = ops.token_logprobs(x, tok, t, backend="triton")
+    assert torch.equal(fused, full.gather(-1, tok.unsqueeze(-1)).squeeze(-1))
+    assert torch.equal(ops.token_logprobs(x[2:3], tok[2:3], t, backend="triton"), fused[2:3])
+    assert torch.allclose(full, torch.log_softmax(x / t, -1), rtol=1e-5, atol=1e-5)
+    xr = x.clone().requires_grad_(True)
+    g = _rand(9, seed=14, device=device, dtype=torch.float32)
+    (got,) = torch.autograd.grad(ops.token_logprobs(xr, tok, t, backend="triton"), xr, g)
+    (ref,) = torch.autograd.grad(torch.log_softmax(xr / t, -1).gather(-1, tok.unsqueeze(-1)).squeeze(-1), xr, g)
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6)

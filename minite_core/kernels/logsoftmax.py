@@ -1,0 +1,83 @@
+"""Row log-sum-exp (Triton) for log-softmax and token logprobs, batch-invariant.
+
+lse(x / T) per row, fp32: one program per row walks the vocabulary in fixed blocks of BLOCK, keeping a
+BLOCK-wide running max (pass 1) and a BLOCK-wide running sum of exp(z - max) (pass 2), each reduced to a
+scalar once at the end with `tl.max` / `tl.sum`. A row's result depends only on that row and on BLOCK
+(a constant), never on how many rows are in the call: the rollout's one-row sample step and the
+learner's many-row scoring get the same bits.
+
+Callers form log_softmax = z - lse and a token's logprob = z[token] - lse with the same elementwise
+z = x / T (IEEE division), so the rollout's full-vocabulary logprob at the sampled token and the
+learner's gathered one are equal bit for bit. The learner's fused path (`TokenLogprob`) never
+materializes z or the log-softmax over the vocabulary in the forward; its backward is
+g * (onehot - exp(z - lse)) / T.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import nvfp4
+from .gemm import interpreting
+
+
+@triton.jit
+def _lse_kernel(X, OUT, sx, V, t, HAS_T: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    base = X + row.to(tl.int64) * sx
+    m_vec = tl.full([BLOCK], float("-inf"), tl.float32)
+    for start in range(0, V, BLOCK):
+        x = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+        if HAS_T:
+            x = tl.div_rn(x, t + tl.zeros_like(x))
+        m_vec = tl.maximum(m_vec, x)
+    m = tl.max(m_vec, axis=0)
+    s_vec = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, V, BLOCK):
+        x = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+        if HAS_T:
+            x = tl.div_rn(x, t + tl.zeros_like(x))
+        s_vec += tl.exp(x - m)
+    tl.store(OUT + row, m + tl.log(tl.sum(s_vec, axis=0)))
+
+
+def lse(x: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """x [..., V] (fp32/bf16) -> logsumexp(x / temperature) [...] fp32, one fixed order per row."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32)
+    if x2.shape[0]:
+        block = 64 if interpreting() else 4096
+        _lse_kernel[(x2.shape[0],)](x2, out, x2.stride(0), x2.shape[1], float(temperature),
+                                    HAS_T=temperature != 1.0, BLOCK=block, num_warps=8 if block > 1024 else 4)
+    return out.reshape(x.shape[:-1])
+
+
+def scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """z = x / T in fp32, elementwise and IEEE (the same bits wherever an element sits)."""
+    z = x.float()
+    return nvfp4.div(z, float(temperature)) if temperature != 1.0 else z
+
+
+class TokenLogprob(torch.autograd.Function):
+    """logits [R, V], tokens [R] -> z[token] - lse(z) [R], with z = logits / T."""
+
+    @staticmethod
+    def forward(ctx, logits, tokens, temperature):
+        l = lse(logits, temperature)
+        ctx.save_for_backward(logits, tokens, l)
+        ctx.temperature = temperature
+        return scaled(logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), temperature) - l
+
+    @staticmethod
+    def backward(ctx, g):
+        logits, tokens, l = ctx.saved_tensors
+        p = torch.exp(scaled(logits, ctx.temperature) - l.unsqueeze(-1))
+        grad = -g.unsqueeze(-1) * p
+        grad.scatter_add_(-1, tokens.unsqueeze(-1), g.unsqueeze(-1))
+        if ctx.temperature != 1.0:
+            grad = grad / ctx.temperature
+        return grad.to(logits.dtype), None, None
