@@ -58,27 +58,27 @@ def http_server(app):
 
 
 @contextlib.contextmanager
-def rollout_service(model_dir, **overrides):
-    """(runtime, grpc address, http base url) of a rollout service on loopback."""
-    from minite.v1 import rollout_pb2_grpc
-    from services.common import rpc
-    from services.common.settings import RolloutSettings
-    from services.rollout.grpc_api import PROTECTED, RolloutServicer
-    from services.rollout.main import SERVICE
-    from services.rollout.rest import build_app
-    from services.rollout.runtime import RolloutRuntime
-
-    settings = RolloutSettings(model_dir=model_dir, grpc_port=0, **overrides)
-    rt = RolloutRuntime(settings)
-    server, port, _ = rpc.make_server(
-        settings, [SERVICE], lambda s: rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(rt), s),
-        protected=PROTECTED)
+def _serving(rt, start_grpc, build_app):
+    """Run a service's gRPC server and HTTP app around its runtime -> (runtime, grpc address, http url)."""
+    server, port, _ = start_grpc(rt.settings, rt)
     try:
         with http_server(build_app(rt)) as url:
             yield rt, f"127.0.0.1:{port}", url
     finally:
         server.stop(0).wait()
         rt.stop()
+
+
+@contextlib.contextmanager
+def rollout_service(model_dir, **overrides):
+    """(runtime, grpc address, http base url) of a rollout service on loopback."""
+    from services.common.settings import RolloutSettings
+    from services.rollout.main import start_grpc
+    from services.rollout.rest import build_app
+    from services.rollout.runtime import RolloutRuntime
+
+    with _serving(RolloutRuntime(RolloutSettings(model_dir=model_dir, grpc_port=0, **overrides)), start_grpc, build_app) as s:
+        yield s
 
 
 def new_weights(model_dir, seed: int, precision: str = "nvfp4") -> dict:
@@ -102,28 +102,14 @@ def learner_on(model_dir, weights: dict | None = None, precision: str = "nvfp4")
     return Learner(model)
 
 
-
-
-
 @contextlib.contextmanager
 def learner_service(model_dir, rollout_address: str, **overrides):
     """(runtime, grpc address, http base url) of a learner service on loopback (its loop not started)."""
-    from minite.v1 import learner_pb2_grpc
-    from services.common import rpc
     from services.common.settings import LearnerSettings
-    from services.learner.grpc_api import PROTECTED, LearnerServicer
-    from services.learner.main import SERVICE
+    from services.learner.main import start_grpc
     from services.learner.rest import build_app
     from services.learner.runtime import LearnerRuntime
 
     settings = LearnerSettings(model_dir=model_dir, grpc_port=0, rollout=[rollout_address], **overrides)
-    rt = LearnerRuntime(settings)
-    server, port, _ = rpc.make_server(
-        settings, [SERVICE], lambda s: learner_pb2_grpc.add_LearnerServiceServicer_to_server(LearnerServicer(rt), s),
-        protected=PROTECTED)
-    try:
-        with http_server(build_app(rt)) as url:
-            yield rt, f"127.0.0.1:{port}", url
-    finally:
-        server.stop(0).wait()
-        rt.stop()
+    with _serving(LearnerRuntime(settings), start_grpc, build_app) as s:
+        yield s

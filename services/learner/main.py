@@ -20,12 +20,17 @@ log = logging.getLogger("minite.learner")
 SERVICE = learner_pb2.DESCRIPTOR.services_by_name["LearnerService"].full_name
 
 
+def start_grpc(settings: LearnerSettings, runtime: LearnerRuntime):
+    """The started gRPC server of this service -> (server, bound port, health servicer)."""
+    return rpc.make_server(
+        settings, [SERVICE], lambda s: learner_pb2_grpc.add_LearnerServiceServicer_to_server(LearnerServicer(runtime), s),
+        protected=PROTECTED)
+
+
 def serve(settings: LearnerSettings) -> bool:
     setup_logging(settings.log_level)
     runtime = LearnerRuntime(settings)
-    server, port, health = rpc.make_server(
-        settings, [SERVICE], lambda s: learner_pb2_grpc.add_LearnerServiceServicer_to_server(LearnerServicer(runtime), s),
-        protected=PROTECTED)
+    server, port, health = start_grpc(settings, runtime)
 
     def ready(http):
         http_port = http.servers[0].sockets[0].getsockname()[1] if http.servers else settings.http_port

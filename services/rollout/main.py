@@ -19,12 +19,17 @@ log = logging.getLogger("minite.rollout")
 SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
 
 
+def start_grpc(settings: RolloutSettings, runtime: RolloutRuntime):
+    """The started gRPC server of this service -> (server, bound port, health servicer)."""
+    return rpc.make_server(
+        settings, [SERVICE], lambda s: rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(runtime), s),
+        protected=PROTECTED)
+
+
 def serve(settings: RolloutSettings) -> None:
     setup_logging(settings.log_level)
     runtime = RolloutRuntime(settings)
-    server, port, health = rpc.make_server(
-        settings, [SERVICE], lambda s: rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(runtime), s),
-        protected=PROTECTED)
+    server, port, health = start_grpc(settings, runtime)
 
     def ready(http):
         http_port = http.servers[0].sockets[0].getsockname()[1] if http.servers else settings.http_port
