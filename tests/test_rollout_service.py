@@ -158,6 +158,7 @@ def test_rest_bad_input(svc, body, status, words):
     ({"prompt": "<bos>1+2=", "stop": [""]}, "stop"),
     ({"prompt": "<bos>1+2=", "stop_token_ids": [-1]}, "token ids"),
     ({"prompt": [1, "x"]}, "prompt"),
+    ({"prompt": "<bos>1+2=", "logprobs": -1}, "logprobs"),
 ])
 def test_rest_more_bad_input(svc, body, words):
     if isinstance(body, str):

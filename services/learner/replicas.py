@@ -62,7 +62,7 @@ class RemoteRollout:
 
     # -- generation -----------------------------------------------------------------------------
     def generate(self, prompts: list, params: SamplingParams) -> list[Completion]:
-        live = self._live()
+        live = self.live()
         calls = []
         for r, prompt in enumerate(prompts):
             rep = live[r % len(live)]
@@ -103,7 +103,7 @@ class RemoteRollout:
                 pass
         return floor
 
-    def _live(self) -> list[Replica]:
+    def live(self) -> list[Replica]:
         """Replicas that answer, each brought to the current weight version first."""
         live, newer = [], False
         for rep in self.replicas:

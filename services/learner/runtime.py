@@ -105,7 +105,7 @@ class LearnerRuntime:
     def _loop(self) -> None:
         while not self.stopping.is_set():  # wait for a replica before the first step
             try:
-                self.rollout._live()
+                self.rollout.live()
                 break
             except NewerVersion as e:
                 self._retry(e)

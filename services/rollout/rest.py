@@ -79,7 +79,7 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] = Field(..., description="text, or token ids")
-    logprobs: int | None = Field(None, description="include the sampled tokens' logprobs (any value >= 0)")
+    logprobs: int | None = Field(None, ge=0, description="include the sampled tokens' logprobs (any value >= 0)")
     echo: bool = False
 
 
@@ -209,18 +209,27 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
             if not all(q.finish for q in req.seqs):
                 await asyncio.to_thread(rt.cancel, req)
 
+    async def serve(kind: str, body: _Sampling, prompt: list[int], request: Request):
+        """Submit; an SSE response when streaming, else the finished request."""
+        events = asyncio.Queue() if body.stream else None
+        req, finished = await start(body, prompt, events)
+        if body.stream:
+            return StreamingResponse(sse(kind, body, req, events, request), media_type="text/event-stream")
+        await wait(req, finished, request)
+        return req
+
+    def envelope(obj: str, prefix: str, choices: list, req, prompt: list[int]) -> dict:
+        return {"id": f"{prefix}-{uuid.uuid4().hex[:16]}", "object": obj, "created": int(time.time()), "model": name,
+                "choices": choices, "usage": usage(req), "prompt_token_ids": prompt, "weight_version": req.version}
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         if isinstance(body.prompt, str) and not body.prompt:
             raise ApiError(400, "prompt is empty")
-        if body.logprobs is not None and body.logprobs < 0:
-            raise ApiError(400, "logprobs must be >= 0")
         prompt = tokens_of(body.prompt)
-        events = asyncio.Queue() if body.stream else None
-        req, finished = await start(body, prompt, events)
-        if body.stream:
-            return StreamingResponse(sse("cmpl", body, req, events, request), media_type="text/event-stream")
-        await wait(req, finished, request)
+        req = await serve("cmpl", body, prompt, request)
+        if isinstance(req, StreamingResponse):
+            return req
         stops = body.stops()
         choices = []
         for c in req.completions():
@@ -232,9 +241,7 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
                 choice["logprobs"] = {"tokens": [piece(t) for t in c.token_ids], "token_logprobs": c.logprobs.tolist(),
                                       "top_logprobs": None, "text_offset": None}
             choices.append(choice)
-        return {"id": f"cmpl-{uuid.uuid4().hex[:16]}", "object": "text_completion", "created": int(time.time()),
-                "model": name, "choices": choices, "usage": usage(req), "prompt_token_ids": prompt,
-                "weight_version": req.version}
+        return envelope("text_completion", "cmpl", choices, req, prompt)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
@@ -243,11 +250,9 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
         prompt = tokens_of("".join(m.content for m in body.messages))
         if not prompt:
             raise ApiError(400, "the messages have no content")
-        events = asyncio.Queue() if body.stream else None
-        req, finished = await start(body, prompt, events)
-        if body.stream:
-            return StreamingResponse(sse("chat", body, req, events, request), media_type="text/event-stream")
-        await wait(req, finished, request)
+        req = await serve("chat", body, prompt, request)
+        if isinstance(req, StreamingResponse):
+            return req
         stops = body.stops()
         choices = []
         for c in req.completions():
@@ -258,9 +263,7 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
                 choice["logprobs"] = {"content": [{"token": piece(t), "logprob": lp, "top_logprobs": []}
                                                   for t, lp in zip(c.token_ids, c.logprobs.tolist())]}
             choices.append(choice)
-        return {"id": f"chatcmpl-{uuid.uuid4().hex[:16]}", "object": "chat.completion", "created": int(time.time()),
-                "model": name, "choices": choices, "usage": usage(req), "prompt_token_ids": prompt,
-                "weight_version": req.version}
+        return envelope("chat.completion", "chatcmpl", choices, req, prompt)
 
     @app.get("/v1/models")
     async def models():
