@@ -25,12 +25,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from minite_core import ops  # noqa: E402
 from minite_core.engine import Learner  # noqa: E402
 from minite_core.model import load_model  # noqa: E402
 from minite_core.model.qwen3 import Qwen3Config  # noqa: E402
 from minite_core.model.random_init import random_checkpoint  # noqa: E402
-from minite_core.nvfp4 import NVFP4Tensor  # noqa: E402
+from minite_core.rl.trainer import requantize  # noqa: E402
 
 CONFIGS = {  # Qwen3-0.6B and Qwen3-1.7B shapes (vocabulary included)
     "0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
@@ -81,12 +80,7 @@ def minite_step_fn(path: Path, precision: str, batch: int, seq: int, knobs: dict
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(masters.values()), 1.0)
         opt.step()
-        with torch.no_grad():  # the Trainer's sync_weights: one re-quantize of every master
-            for n, m in masters.items():
-                if isinstance(policy.w[n], NVFP4Tensor):
-                    policy.w[n] = ops.quantize(m, scale_mode="tensor", backend="triton")
-                else:
-                    policy.w[n] = m.to(policy.dtype)
+        requantize(policy, masters)  # the Trainer's weight sync
     return step
 
 

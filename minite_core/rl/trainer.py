@@ -54,6 +54,19 @@ class TrainConfig:
         return cls(**d)
 
 
+@torch.no_grad()
+def requantize(model, masters: dict, *, block_2d: bool = False) -> None:
+    """Write the masters into `model.w` in the model's formats: NVFP4 weights re-quantized once (per-tensor
+    global scale; 16x16 block scales for the NVIDIA recipe's backward), plain weights cast."""
+    for n, m in masters.items():
+        if isinstance(model.w[n], NVFP4Tensor) and block_2d:
+            model.w[n] = nvfp4.quantize(m.detach(), scale_mode="tensor", block_2d=True)
+        elif isinstance(model.w[n], NVFP4Tensor):  # the fused quantize kernel on the GPU
+            model.w[n] = ops.quantize(m.detach(), scale_mode="tensor", backend=model.backend)
+        else:
+            model.w[n] = m.detach().to(model.dtype)
+
+
 class LocalRollout:
     """The in-process rollout: a RolloutEngine over the policy's own weight dict (updated in place)."""
 
@@ -112,14 +125,7 @@ class Trainer:
 
     def sync_weights(self) -> None:
         """Re-quantize the masters once into the weights both engines use; bump the weight version."""
-        with torch.no_grad():
-            for n, m in self.masters.items():
-                if isinstance(self.policy.w[n], NVFP4Tensor) and self.cfg.backward == "nvfp4":  # 16x16 blocks
-                    self.policy.w[n] = nvfp4.quantize(m.detach(), scale_mode="tensor", block_2d=True)
-                elif isinstance(self.policy.w[n], NVFP4Tensor):  # the fused quantize kernel on the GPU
-                    self.policy.w[n] = ops.quantize(m.detach(), scale_mode="tensor", backend=self.policy.backend)
-                else:
-                    self.policy.w[n] = m.detach().to(self.policy.dtype)
+        requantize(self.policy, self.masters, block_2d=self.cfg.backward == "nvfp4")
         # monotonic on the rollout side too: above any version a replica already serves (a learner that
         # restarted, or resumed an older checkpoint, must not push "stale" versions forever)
         self.version = max(self.version, self.rollout.version_floor()) + 1
