@@ -228,22 +228,59 @@ def linear(
 
 
 # ------------------------------------------------------------------------------- row-local ops
-# These have no Triton kernel yet (attention has: below): every backend runs the torch implementation, which is
-# batch-invariant and decode == prefill by construction (see `reduce.tree_sum`).
+# The torch backend runs `reference` (elementwise ops and `reduce.tree_sum`); the triton backend runs
+# `kernels.rows` (forward and backward kernels). Both are batch-invariant and decode == prefill by
+# construction; they agree within a rounding of the output dtype, not bit for bit.
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, backend: str | None = None) -> torch.Tensor:
-    resolve_backend(backend)
+    """weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), statistics in fp32 (HF's Qwen3RMSNorm)."""
+    backend = resolve_backend(backend)
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm weight has shape {tuple(weight.shape)}, expected ({x.shape[-1]},)")
+    if backend == "triton":
+        from .kernels.rows import RMSNormFunction
+
+        _check_triton_device(x, "x")
+        if weight.device != x.device:
+            raise ValueError(f"x is on {x.device} but the rms_norm weight is on {weight.device}")
+        return RMSNormFunction.apply(x, weight, float(eps))
     return reference.rms_norm(x, weight, eps)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
-    resolve_backend(backend)
+    """silu(gate) * up in fp32, rounded once to gate's dtype (SwiGLU)."""
+    backend = resolve_backend(backend)
     if gate.shape != up.shape:
         raise ValueError(f"silu_mul operands differ in shape: {tuple(gate.shape)} vs {tuple(up.shape)}")
+    if backend == "triton":
+        from .kernels.rows import SiluMulFunction
+
+        _check_triton_device(gate, "gate")
+        if up.device != gate.device:
+            raise ValueError(f"gate is on {gate.device} but up is on {up.device}")
+        return SiluMulFunction.apply(gate, up)
     return reference.silu_mul(gate, up)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """NeoX rotate-half RoPE: x * cos + rotate_half(x) * sin, x [B, H, T, D], cos/sin [B or 1, 1, T, D].
+    torch: in x's dtype, each op rounded (HF's expression); triton: in fp32, rounded once."""
+    backend = resolve_backend(backend)
+    if x.dim() != 4 or x.shape[-1] % 2:
+        raise ValueError(f"rope needs x [B, H, T, D] with an even D, got shape {tuple(x.shape)}")
+    b, _, t, d = x.shape
+    for name, c in (("cos", cos), ("sin", sin)):
+        if c.dim() != 4 or c.shape[0] not in (1, b) or tuple(c.shape[1:]) != (1, t, d):
+            raise ValueError(f"rope {name} has shape {tuple(c.shape)}, expected ({b}, 1, {t}, {d})")
+        if c.device != x.device:
+            raise ValueError(f"x is on {x.device} but rope {name} is on {c.device}")
+    if backend == "triton":
+        from .kernels.rows import RopeFunction
+
+        _check_triton_device(x, "x")
+        return RopeFunction.apply(x, cos, sin)
+    return reference.rope(x, cos, sin)
 
 
 def log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, backend: str | None = None) -> torch.Tensor:

@@ -100,6 +100,16 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (g / (1.0 + torch.exp(-g)) * up.float()).to(gate.dtype)
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX rotate-half RoPE as HF: x * cos + rotate_half(x) * sin, in x's dtype (each op rounded)."""
+    return x * cos + rotate_half(x) * sin
+
+
 def log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log_softmax(logits / temperature) over the last dimension, fp32."""
     z = logits.float()

@@ -9,8 +9,15 @@ learner's many-row scoring get the same bits.
 Callers form log_softmax = z - lse and a token's logprob = z[token] - lse with the same elementwise
 z = x / T (IEEE division), so the rollout's full-vocabulary logprob at the sampled token and the
 learner's gathered one are equal bit for bit. The learner's fused path (`TokenLogprob`) never
-materializes z or the log-softmax over the vocabulary in the forward; its backward is
-g * (onehot - exp(z - lse)) / T.
+materializes z or the log-softmax over the vocabulary in the forward, and takes the logits in the model's
+dtype (bf16): the kernels upcast each element exactly, so bf16 logits give the bits of their `.float()`
+copy, without the fp32 [R, V] copy.
+
+Its backward, grad = g * (onehot(token) - exp(z - lse)) / T, is one more kernel: a program owns BLOCK
+columns of one row, recomputes z with the same IEEE division, forms (-g * p) (+ g at the token), divides
+by T and stores the result directly in the logits' dtype: one read and one write of [R, V], where the
+torch formula made several fp32 [R, V] temporaries. (The same expression as that formula, in the same
+order; only exp's last bits are Triton's.)
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ import triton.language as tl
 
 from .. import nvfp4
 from .gemm import interpreting
+from .rows import round_to
 
 
 @triton.jit
@@ -62,8 +70,41 @@ def scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
     return nvfp4.div(z, float(temperature)) if temperature != 1.0 else z
 
 
+@triton.jit
+def _token_logprob_bwd_kernel(X, TOK, LSE, G, DX, sx, sdx, V, t, HAS_T: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < V
+    row64 = row.to(tl.int64)
+    z = tl.load(X + row64 * sx + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_T:
+        z = tl.div_rn(z, t + tl.zeros_like(z))
+    g = tl.load(G + row)
+    grad = -g * tl.exp(z - tl.load(LSE + row))
+    grad = tl.where(cols == tl.load(TOK + row), grad + g, grad)
+    if HAS_T:
+        grad = tl.div_rn(grad, t + tl.zeros_like(grad))
+    tl.store(DX + row64 * sdx + cols, round_to(grad, DX.dtype.element_ty), mask=mask)
+
+
+def token_logprob_backward(g: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor, l: torch.Tensor,
+                           temperature: float) -> torch.Tensor:
+    """d(z[token] - lse(z)) / d logits for logits [R, V], tokens [R], lse [R], upstream g [R] -> [R, V]
+    in the logits' dtype."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    r, v = logits.shape
+    out = torch.empty(r, v, device=logits.device, dtype=logits.dtype)
+    if r and v:
+        block = 64 if interpreting() else 4096
+        _token_logprob_bwd_kernel[(r, triton.cdiv(v, block))](
+            logits, tokens.contiguous(), l.contiguous(), g.float().contiguous(), out, logits.stride(0), out.stride(0),
+            v, float(temperature), HAS_T=temperature != 1.0, BLOCK=block, num_warps=8 if block > 1024 else 4)
+    return out
+
+
 class TokenLogprob(torch.autograd.Function):
-    """logits [R, V], tokens [R] -> z[token] - lse(z) [R], with z = logits / T."""
+    """logits [R, V] (fp32 or bf16), tokens [R] -> z[token] - lse(z) [R] fp32, with z = logits / T."""
 
     @staticmethod
     def forward(ctx, logits, tokens, temperature):
@@ -75,9 +116,4 @@ class TokenLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         logits, tokens, l = ctx.saved_tensors
-        p = torch.exp(scaled(logits, ctx.temperature) - l.unsqueeze(-1))
-        grad = -g.unsqueeze(-1) * p
-        grad.scatter_add_(-1, tokens.unsqueeze(-1), g.unsqueeze(-1))
-        if ctx.temperature != 1.0:
-            grad = grad / ctx.temperature
-        return grad.to(logits.dtype), None, None
+        return token_logprob_backward(g, logits, tokens, l, ctx.temperature), None, None

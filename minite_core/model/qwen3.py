@@ -17,7 +17,7 @@ import dataclasses
 
 import torch
 
-from .. import ops
+from .. import ops, reference
 from ..nvfp4 import NVFP4Tensor
 from ..reduce import tree_sum
 
@@ -140,9 +140,7 @@ class Qwen3Config:
         return s
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+_rotate_half = reference.rotate_half  # the torch backend's RoPE: reference.rope
 
 
 KNOBS = {  # misalignment knobs: each picks a different op (None: the aligned one)
@@ -241,16 +239,20 @@ class Qwen3:
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None,
-                slots: torch.Tensor | None = None, capture=None) -> torch.Tensor:
-        """input_ids, positions [B, T] (default 0..T-1) -> logits [B, T, V] (fp32).
-        `capture(name, tensor)` sees every op's output."""
+                slots: torch.Tensor | None = None, capture=None, *, logits_dtype: torch.dtype = torch.float32,
+                check_ids: bool = True) -> torch.Tensor:
+        """input_ids, positions [B, T] (default 0..T-1) -> logits [B, T, V] (fp32 unless `logits_dtype`).
+        `capture(name, tensor)` sees every op's output. `logits_dtype`: the logits' dtype (the lm_head
+        computes them in the model dtype, so `logits_dtype=self.dtype` gives the same values without an
+        fp32 copy). `check_ids=False` skips the token-id range check, which syncs with the host (a
+        captured CUDA graph must not)."""
         cfg = self.cfg
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError("input_ids must be an integer tensor [B, T]")
         b, t = input_ids.shape
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
-        if t and (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
+        if check_ids and t and (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
             raise ValueError(f"token ids must be in [0, {cfg.vocab_size})")
         hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         def emit(name, value):  # hand every op's output [B, T, features] to `capture`, if any
@@ -274,8 +276,8 @@ class Qwen3:
             q = emit(n + "q_norm", self.norm(q.view(b, t, hq, d), p + "self_attn.q_norm").flatten(2))
             k = emit(n + "k_norm", self.norm(k.view(b, t, hkv, d), p + "self_attn.k_norm").flatten(2))
             q, k, v = (z.view(b, t, -1, d).transpose(1, 2) for z in (q, k, v))
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = ops.rope(q, cos, sin, backend=self.backend)
+            k = ops.rope(k, cos, sin, backend=self.backend)
             emit(n + "rope", torch.cat([q, k], 1).transpose(1, 2).flatten(2))
             if cache is not None:
                 if self.cache_dtype != self.dtype:  # knob: the cache holds values rounded to another dtype
@@ -294,7 +296,7 @@ class Qwen3:
             x = x + emit(n + "mlp", self.moe(h, p + "mlp.") if cfg.is_moe_layer(i) else self.mlp(h, p + "mlp."))
         x = emit("final_norm", self.norm(x, "model.norm"))
         head = "model.embed_tokens" if cfg.tie_word_embeddings else "lm_head"
-        return emit("lm_head", self.linear(x, head).float())
+        return emit("lm_head", self.linear(x, head).to(logits_dtype))
 
     __call__ = forward
 

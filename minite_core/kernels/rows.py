@@ -1,0 +1,289 @@
+"""Row-local ops (Triton): RMSNorm, SiLU * up (SwiGLU), NeoX RoPE; forward and backward, batch-invariant.
+
+The learner's step was dominated by the torch versions of these ops (each a chain of elementwise kernels
+over fp32 copies); here each is one kernel forward and one backward.
+
+RMSNorm, as HF's Qwen3RMSNorm: y = weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), statistics in fp32.
+A program owns ROWS whole rows of BLOCK = next_power_of_two(N) columns (the row sits in registers), sums
+x^2 with one `tl.sum` per row and divides by N with IEEE division. ROWS and BLOCK depend only on N, so a
+row meets the same instructions in the same tile position-independent layout whether it is alone or
+among thousands of rows: batch-invariant, decode == prefill. The weight multiply is the reference's:
+the normalized row rounded to x's dtype, times the weight, rounded to the promoted dtype (both products
+are single roundings of an exact fp32 product, as torch's). It differs from the torch backend only in the
+order of the sum of squares (`tl.sum`'s tree vs `tree_sum`'s halves) and in rsqrt's last bits, so the two
+backends agree within one rounding of x's dtype, not bit for bit.
+Backward, with n = x * rstd and gn = g * weight (fp32): dx = rstd * (gn - n * mean(gn * n)) (the cast to
+x's dtype is passed straight through), dweight = sum over rows of g * n.to(x.dtype). The forward saves
+rstd per row (4 bytes a row). The weight gradient is summed per program in the kernel (a program walks
+TILES consecutive row tiles), then over programs by torch: not batch-invariant, and need not be.
+
+SiLU * up: gate / (1 + exp(-gate)) * up in fp32, rounded once to gate's dtype (the reference's formula
+and roundings; exp's last bits are Triton's). Backward, with s = sigmoid(gate):
+dgate = g * up * s * (1 + gate * (1 - s)), dup = g * gate * s. Elementwise over the flattened tensors in
+fixed blocks: nothing mixes elements, so it is batch-invariant whatever the blocking.
+
+RoPE, NeoX rotate-half, on x [B, H, T, D] with cos/sin [B or 1, 1, T, D]: with x = (x1, x2) the two
+halves of the head dimension, out = (x1 cos1 - x2 sin1, x2 cos2 + x1 sin2), in fp32, rounded once (the
+torch backend's `x * cos + rotate_half(x) * sin` rounds each product and the sum in x's dtype: the two
+backends differ by a rounding or so in bf16). The backward is the transpose, (g1 cos1 + g2 sin2,
+g2 cos2 - g1 sin1); cos and sin get no gradient (they are functions of the positions). A program owns
+one (batch, position) and BLOCK_H heads; elementwise, so batch-invariant. x may be any strided view with
+a unit last stride (the model's q/k are [B, T, H, D] buffers seen as [B, H, T, D]); the output keeps x's
+layout.
+
+Every rounding to the output dtype goes through `round_to`: the interpreter's fp32 -> bf16 cast truncates
+where the GPU's rounds to nearest even, so bf16 is rounded by hand first (then the cast is exact, and the
+GPU gets the same bits as before). Under TRITON_INTERPRET=1 the block sizes are small (the interpreter
+runs each program in numpy).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .gemm import interpreting
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """fp32 x -> dtype, round to nearest even (bf16 by hand: the interpreter's cast truncates)."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+# ------------------------------------------------------------------------------------------- RMSNorm
+@triton.jit
+def _rms_norm_fwd_kernel(X, W, Y, RSTD, R, N, sx, sy, nf, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    row_ok = rows < R
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(X + rows64[:, None] * sx + cols[None, :], mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    ss = tl.sum(xf * xf, axis=1)
+    rstd = tl.math.rsqrt(tl.div_rn(ss, nf + tl.zeros_like(ss)) + eps)
+    y = round_to(xf * rstd[:, None], X.dtype.element_ty)
+    w = tl.load(W + cols, mask=cols < N, other=0.0)
+    out = y.to(tl.float32) * w.to(tl.float32)[None, :]
+    tl.store(Y + rows64[:, None] * sy + cols[None, :], round_to(out, Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(X, W, G, RSTD, DX, DW, R, N, sx, sg, sdx, nf,
+                         ROWS: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    col_ok = cols < N
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK], tl.float32)
+    for i in range(TILES):
+        rows = (pid * TILES + i) * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < R
+        mask = row_ok[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(X + rows64[:, None] * sx + cols[None, :], mask=mask, other=0.0)
+        g = tl.load(G + rows64[:, None] * sg + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        n = x.to(tl.float32) * rstd[:, None]
+        dw += tl.sum(g * round_to(n, X.dtype.element_ty).to(tl.float32), axis=0)
+        gn = g * w[None, :]
+        c = tl.sum(gn * n, axis=1) / nf
+        dx = rstd[:, None] * (gn - n * c[:, None])
+        tl.store(DX + rows64[:, None] * sdx + cols[None, :], round_to(dx, DX.dtype.element_ty), mask=mask)
+    tl.store(DW + pid.to(tl.int64) * N + cols, dw, mask=col_ok)
+
+
+def rms_norm_config(n: int) -> tuple[int, int, int]:
+    """(ROWS, BLOCK, num_warps) for feature size n: a function of n only (never of the row count)."""
+    block = triton.next_power_of_2(n)
+    if interpreting():
+        return 4, block, 4
+    rows = max(1, min(16, 2048 // block))
+    tile = rows * block
+    return rows, block, 4 if tile <= 2048 else 8 if tile <= 8192 else 16
+
+
+def _rows2d(t: torch.Tensor) -> torch.Tensor:
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., N], weight [N] -> (y [..., N] in promote(x, weight) dtype, rstd [rows] fp32)."""
+    x2 = _rows2d(x)
+    r, n = x2.shape
+    w = weight.contiguous()
+    y = torch.empty(r, n, device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
+    rstd = torch.empty(r, device=x.device, dtype=torch.float32)
+    if r and n:
+        rows, block, warps = rms_norm_config(n)
+        _rms_norm_fwd_kernel[(triton.cdiv(r, rows),)](x2, w, y, rstd, r, n, x2.stride(0), y.stride(0), float(n),
+                                                       float(eps), ROWS=rows, BLOCK=block, num_warps=warps)
+    return y.reshape(*x.shape[:-1], n), rstd
+
+
+def _programs_cap(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+def rms_norm_backward(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                      need_dw: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    x2, g2 = _rows2d(x), _rows2d(g)
+    r, n = x2.shape
+    dx = torch.empty(r, n, device=x.device, dtype=x.dtype)
+    rows, block, warps = rms_norm_config(n)
+    tiles = triton.cdiv(r, rows)
+    per = triton.cdiv(tiles, _programs_cap(x.device)) if tiles else 1
+    programs = triton.cdiv(tiles, per)
+    dw_part = torch.zeros(max(programs, 1), n, device=x.device, dtype=torch.float32)
+    if r and n:
+        _rms_norm_bwd_kernel[(programs,)](x2, weight.contiguous(), g2, rstd, dx, dw_part, r, n, x2.stride(0),
+                                          g2.stride(0), dx.stride(0), float(n), ROWS=rows, BLOCK=block, TILES=per,
+                                          num_warps=warps)
+    dw = dw_part.sum(0).to(weight.dtype) if need_dw else None
+    return dx.reshape(x.shape), dw
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype): the Triton forward and backward above."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rstd = rms_norm_forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_backward(g, x, weight, rstd, ctx.needs_input_grad[1])
+        return (dx if ctx.needs_input_grad[0] else None), dw, None
+
+
+# ------------------------------------------------------------------------------------------ SiLU * up
+@triton.jit
+def _silu_mul_fwd_kernel(GATE, UP, OUT, numel, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    g = tl.load(GATE + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(UP + offs, mask=mask, other=0.0).to(tl.float32)
+    out = tl.div_rn(g, 1.0 + tl.exp(-g)) * u
+    tl.store(OUT + offs, round_to(out, OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul_bwd_kernel(GATE, UP, G, DGATE, DUP, numel, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    x = tl.load(GATE + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(UP + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    s = 1.0 / (1.0 + tl.exp(-x))
+    tl.store(DGATE + offs, round_to(g * u * s * (1.0 + x * (1.0 - s)), DGATE.dtype.element_ty), mask=mask)
+    tl.store(DUP + offs, round_to(g * x * s, DUP.dtype.element_ty), mask=mask)
+
+
+def _elementwise_block() -> int:
+    return 256 if interpreting() else 1024
+
+
+def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up in fp32, rounded once to gate's dtype."""
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    if gate.numel():
+        block = _elementwise_block()
+        _silu_mul_fwd_kernel[(triton.cdiv(gate.numel(), block),)](gate, up, out, gate.numel(), BLOCK=block, num_warps=4)
+    return out
+
+
+class SiluMulFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return silu_mul_forward(gate, up)
+
+    @staticmethod
+    def backward(ctx, g):
+        gate, up = (t.contiguous() for t in ctx.saved_tensors)
+        g = g.contiguous()
+        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+        if gate.numel():
+            block = _elementwise_block()
+            _silu_mul_bwd_kernel[(triton.cdiv(gate.numel(), block),)](gate, up, g, dgate, dup, gate.numel(),
+                                                                       BLOCK=block, num_warps=4)
+        return dgate, dup
+
+
+# ---------------------------------------------------------------------------------------------- RoPE
+@triton.jit
+def _rope_kernel(X, C, S, O, H, T, HALF, sxb, sxh, sxt, scb, sct, ssb, sst, sob, soh, sot,
+                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BACKWARD: tl.constexpr):
+    bt = tl.program_id(0)
+    b = (bt // T).to(tl.int64)
+    t = (bt % T).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HALF
+    c1 = tl.load(C + b * scb + t * sct + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(C + b * scb + t * sct + HALF + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(S + b * ssb + t * sst + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(S + b * ssb + t * sst + HALF + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    mask = (heads < H)[:, None] & d_ok[None, :]
+    h64 = heads.to(tl.int64)[:, None]
+    px = X + b * sxb + h64 * sxh + t * sxt + d[None, :]
+    x1 = tl.load(px, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(px + HALF, mask=mask, other=0.0).to(tl.float32)
+    if BACKWARD:  # the transpose of the rotation
+        o1 = x1 * c1 + x2 * s2
+        o2 = x2 * c2 - x1 * s1
+    else:
+        o1 = x1 * c1 - x2 * s1
+        o2 = x2 * c2 + x1 * s2
+    po = O + b * sob + h64 * soh + t * sot + d[None, :]
+    tl.store(po, round_to(o1, O.dtype.element_ty), mask=mask)
+    tl.store(po + HALF, round_to(o2, O.dtype.element_ty), mask=mask)
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool = False) -> torch.Tensor:
+    """x [B, H, T, D], cos/sin [B or 1, 1, T, D] -> the rotated x (its dtype and layout); `backward`:
+    the transposed rotation (the gradient of the forward)."""
+    b, h, t, d = x.shape
+    x = _unit_last(x)
+    cos, sin = (_unit_last(c).expand(b, 1, t, d) for c in (cos, sin))
+    out = torch.empty_like(x)  # keeps x's layout (dense strides)
+    if x.numel():
+        half = d // 2
+        block_h = min(triton.next_power_of_2(h), 4 if interpreting() else 16)
+        grid = (b * t, triton.cdiv(h, block_h))
+        _rope_kernel[grid](x, cos, sin, out, h, t, half, x.stride(0), x.stride(1), x.stride(2),
+                           cos.stride(0), cos.stride(2), sin.stride(0), sin.stride(2),
+                           out.stride(0), out.stride(1), out.stride(2),
+                           BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(half), BACKWARD=backward, num_warps=4)
+    return out
+
+
+class RopeFunction(torch.autograd.Function):
+    """x * cos + rotate_half(x) * sin in fp32, rounded once; gradient for x only."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return rope_apply(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        return rope_apply(g, cos, sin, backward=True), None, None
