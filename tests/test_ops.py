@@ -109,6 +109,43 @@ def test_linear_matches_fp64_reference(backend, wkind, scale_mode):
     assert y.dtype == x.dtype
 
 
+INVARIANCE_MS = [1, 5, 16, 17, 40, 64, 100, 128, 129, 300]
+
+
+@pytest.mark.gpu if HAS_CUDA else pytest.mark.interpreter
+@pytest.mark.skipif(not __import__("conftest").HAS_TRITON, reason="triton missing")
+@pytest.mark.parametrize("wkind", ["nvfp4-tensor", "nvfp4-row"])
+@pytest.mark.parametrize("even_k", [True, False], ids=["even-k", "ragged-k"])
+def test_w4a4_gemm_rows_do_not_depend_on_the_tile_config(wkind, even_k):
+    """The W4A4 kernel picks its tile by M (swapped narrow tiles of 16/32/64/128 columns up to M = 128,
+    wide tiles above): gemm(x[:1]) == gemm(x)[:1] and every row of an M-row product == the same row of
+    the 300-row product, bit for bit, for M across every bucket."""
+    from minite_core.kernels.gemm import gemm_config, gemm_triton
+
+    if DEVICE == "cpu":
+        n, k = 40, 128 if even_k else 96
+    else:
+        n, k = 1536, 2048 if even_k else 2000
+    w = _weights(n, k, seed=31)[wkind]
+    xq = nvfp4.quantize(_rand(max(INVARIANCE_MS), k, seed=32))
+    configs = {(c["BLOCK_M"], c["BLOCK_N"], c["SWAP_AB"]) for c in (gemm_config(m, n, k, True) for m in INVARIANCE_MS)}
+    assert len(configs) >= 5, configs  # the test crosses tile configs
+    assert len({gemm_config(m, n, k, True)["BLOCK_K"] for m in INVARIANCE_MS}) == 1
+
+    def rows(lo, hi):
+        return nvfp4.NVFP4Tensor(xq.data[lo:hi], xq.scale[lo:hi], xq.global_scale[lo:hi], (hi - lo, k))
+
+    for dtype in (torch.float32, torch.bfloat16):
+        ref = gemm_triton(rows(0, 300), w, None, dtype)
+        one = gemm_triton(rows(0, 1), w, None, dtype)
+        for m in INVARIANCE_MS:
+            y = gemm_triton(rows(0, m), w, None, dtype)
+            assert torch.equal(one, y[:1]), f"M={m}: gemm(x[:1]) != gemm(x)[:1]"
+            assert torch.equal(y, ref[:m]), f"M={m}: rows differ from the same rows in the 300-row product"
+        for lo, m in ((7, 1), (33, 17), (150, 100), (171, 129)):  # rows at other positions in their tiles
+            assert torch.equal(gemm_triton(rows(lo, lo + m), w, None, dtype), ref[lo:lo + m]), (lo, m)
+
+
 def test_torch_nvfp4_fast_path_equals_the_fixed_tree_order():
     """Block partial sums of NVFP4 operands are exact, so the batched-matmul path must give exactly the
     bits of the elementwise fixed-order path on the same operands."""

@@ -8,17 +8,43 @@ fp32 accumulation: per BLOCK_K step, first the even elements of the step, then t
 order in which the bytes hold them). The global scales enter in the epilogue,
 (acc * gs_x[m]) * gs_w[n], as in the torch backend. The decode step is the only
 Hopper-specific part: a Blackwell path would hand the same packed bytes and scales (swizzled with
-`nvfp4.to_blocked`) to a native block-scaled MMA instead.
+`nvfp4.to_blocked`) to a native block-scaled MMA instead. `grouped_gemm.py` runs the same tile
+(`w4a4_tile`) over the experts of a MoE layer.
 
-Batch invariance is structural: one tile configuration per (N, K) (`gemm_config`), no split-K, no
-autotuning; each output tile reduces over K in BLOCK_K steps in one fixed order, so row m's bits
-depend only on row m of x and on w, never on M or on the other rows. Out-of-range rows and columns are
-masked to zero and never mix into valid rows.
+Tiles by M (`gemm_config`): M <= 128 takes swapped narrow tiles, the weight tile as the MMA's first
+operand (wgmma M = 64 rows of w per warpgroup, from registers) and the activations as its N, BLOCK_M =
+16, 32, 64 or 128 (the narrowest power of two >= M); larger M takes 128x256 / 128x128 tiles with x as
+the first operand. BLOCK_K (128 on the GPU) is one constant for every M, and there is no split-K and no
+autotuning: one K-reduction order per (N, K).
 
-Under TRITON_INTERPRET=1 (CPU tests) tiles are smaller, and the plain (non-FP4) path multiplies tiles
-with an elementwise product and `tl.sum` instead of `tl.dot`: the interpreter's bf16 dot is wrong, and
-its fp32 dot calls BLAS, whose result for a row depends on the row's position in the tile. (The FP4
-path's fp16 dot runs numpy's own loop, which is position-invariant, so it is tested as on the GPU.)
+Why a row's bits cannot depend on the tile (so M, the other rows, and the config chosen for M do not
+matter):
+1. The operands are exact. code * block_scale is exact in fp16, so every product x[m, k] * w[n, k] is
+   exact in fp32 (and in the tensor core, which forms fp16 products exactly); swapping the operands
+   (w as A, x as B) gives the same products. (The 8 products of one half-block share one scale
+   product and sum exactly: <= 8 * 144 quarter-units times an 8-bit scale product.)
+2. The K order is a function of BLOCK_K alone: steps of BLOCK_K from k = 0, each step first its even
+   elements then its odd ones (BLOCK_K/2 columns each), and `tl.dot` splits each into k16 MMA chunks
+   issued low to high into the one fp32 accumulator. BLOCK_M, BLOCK_N, SWAP_AB, warps and stages change
+   which output elements a program holds, never the chain of k16 chunks that builds one element.
+3. An MMA computes each output element as a function of that element's accumulator and its own 16
+   products only: rows of A never mix, nor columns of B, and the per-element datapath does not depend
+   on the instruction's N (n16 .. n256) or on whether the element sits in A's rows or B's columns. All
+   configs here lower to the same instruction family (wgmma m64nNk16, fp16 in, fp32 accumulate: the
+   swapped tile's MMA-M is BLOCK_N = 64 rows of w per warpgroup; bench/gemm_probe.py prints the MMA
+   version from the TTGIR). This is the hardware property the GPU run of the invariance tests checks;
+   under the interpreter the fp16 dot is numpy's own loop, per element as well.
+4. The epilogue is per element, (acc * gs_x[m]) * gs_w[n] (+ bias), two fp32 roundings in a fixed
+   order. Out-of-range rows and columns load zeros, are never stored, and cannot reach a valid row.
+So a config may vary with M in everything but BLOCK_K, the even/odd split and the accumulator; the
+tests compare gemm(x[:1]) with gemm(x)[:1] and each row alone with the row in a batch, for M across
+every bucket (1 .. 300), and the grouped kernel with this one.
+
+Under TRITON_INTERPRET=1 (CPU tests) tiles are smaller (BLOCK_K = 64, the same bucket structure), and
+the plain (non-FP4) path multiplies tiles with an elementwise product and `tl.sum` instead of `tl.dot`:
+the interpreter's bf16 dot is wrong, and its fp32 dot calls BLAS, whose result for a row depends on the
+row's position in the tile. (The FP4 path's fp16 dot runs numpy's own loop, which is
+position-invariant, so it is tested as on the GPU.)
 """
 from __future__ import annotations
 
@@ -61,6 +87,53 @@ def decode_nvfp4_pairs(packed, scale):
 
 
 @triton.jit
+def w4a4_tile(
+    a_ptr, as_ptr, b_ptr, bs_ptr, offs_m, mask_m, offs_n, mask_n, K,
+    stride_am, stride_asm, stride_bn, stride_bsn,
+    EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """sum_k (code * block scale)_x[m, k] * (code * block scale)_w[n, k] for one [BLOCK_M, BLOCK_N] tile, fp32.
+
+    The K order is fixed by BLOCK_K alone: steps of BLOCK_K, and inside a step first the BLOCK_K/2 even
+    elements, then the odd ones, each fed to the MMA in k16 chunks from low to high k. The dense and the
+    grouped kernel both call this, so a row gets the same bits from either.
+    """
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte (= element pair) index
+        ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)  # block-scale index
+        if EVEN_K:  # no mask along K, so the byte loads vectorize
+            a = tl.load(a_ptr + offs_m[:, None] * stride_am + kp[None, :], mask=mask_m[:, None], other=0)
+            b = tl.load(b_ptr + offs_n[:, None] * stride_bn + kp[None, :], mask=mask_n[:, None], other=0)
+            sa = tl.load(as_ptr + offs_m[:, None] * stride_asm + ks[None, :], mask=mask_m[:, None], other=0)
+            sb = tl.load(bs_ptr + offs_n[:, None] * stride_bsn + ks[None, :], mask=mask_n[:, None], other=0)
+        else:
+            kp_ok = kp < K // 2
+            ks_ok = ks < K // 16
+            a = tl.load(a_ptr + offs_m[:, None] * stride_am + kp[None, :], mask=mask_m[:, None] & kp_ok[None, :], other=0)
+            b = tl.load(b_ptr + offs_n[:, None] * stride_bn + kp[None, :], mask=mask_n[:, None] & kp_ok[None, :], other=0)
+            sa = tl.load(as_ptr + offs_m[:, None] * stride_asm + ks[None, :], mask=mask_m[:, None] & ks_ok[None, :], other=0)
+            sb = tl.load(bs_ptr + offs_n[:, None] * stride_bsn + ks[None, :], mask=mask_n[:, None] & ks_ok[None, :], other=0)
+        # decode each block scale once, then spread it over its 8 bytes
+        sa = e4m3_to_fp16(sa.to(tl.int16))
+        sb = e4m3_to_fp16(sb.to(tl.int16))
+        sa = tl.reshape(tl.broadcast_to(sa[:, :, None], [BLOCK_M, BLOCK_K // 16, 8]), [BLOCK_M, BLOCK_K // 2])
+        sb = tl.reshape(tl.broadcast_to(sb[:, :, None], [BLOCK_N, BLOCK_K // 16, 8]), [BLOCK_N, BLOCK_K // 2])
+        a_even, a_odd = decode_nvfp4_pairs(a, sa)
+        b_even, b_odd = decode_nvfp4_pairs(b, sb)
+        if SWAP_AB:  # M <= 128: the weight tile is the MMA's first operand (kept in registers)
+            acc_t = tl.dot(b_even, tl.trans(a_even), acc_t)
+            acc_t = tl.dot(b_odd, tl.trans(a_odd), acc_t)
+        else:
+            acc = tl.dot(a_even, tl.trans(b_even), acc)
+            acc = tl.dot(a_odd, tl.trans(b_odd), acc)
+    if SWAP_AB:
+        acc = tl.trans(acc_t)
+    return acc
+
+
+@triton.jit
 def _gemm_kernel(
     a_ptr, as_ptr, ags_ptr, b_ptr, bs_ptr, bgs_ptr, bias_ptr, c_ptr,
     M, N, K,
@@ -81,38 +154,15 @@ def _gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if FP4:
-            kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte (= element pair) index
-            ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)  # block-scale index
-            if EVEN_K:  # no mask along K, so the byte loads vectorize
-                a = tl.load(a_ptr + offs_m[:, None] * stride_am + kp[None, :], mask=mask_m[:, None], other=0)
-                b = tl.load(b_ptr + offs_n[:, None] * stride_bn + kp[None, :], mask=mask_n[:, None], other=0)
-                sa = tl.load(as_ptr + offs_m[:, None] * stride_asm + ks[None, :], mask=mask_m[:, None], other=0)
-                sb = tl.load(bs_ptr + offs_n[:, None] * stride_bsn + ks[None, :], mask=mask_n[:, None], other=0)
-            else:
-                kp_ok = kp < K // 2
-                ks_ok = ks < K // 16
-                a = tl.load(a_ptr + offs_m[:, None] * stride_am + kp[None, :], mask=mask_m[:, None] & kp_ok[None, :], other=0)
-                b = tl.load(b_ptr + offs_n[:, None] * stride_bn + kp[None, :], mask=mask_n[:, None] & kp_ok[None, :], other=0)
-                sa = tl.load(as_ptr + offs_m[:, None] * stride_asm + ks[None, :], mask=mask_m[:, None] & ks_ok[None, :], other=0)
-                sb = tl.load(bs_ptr + offs_n[:, None] * stride_bsn + ks[None, :], mask=mask_n[:, None] & ks_ok[None, :], other=0)
-            # decode each block scale once, then spread it over its 8 bytes
-            sa = e4m3_to_fp16(sa.to(tl.int16))
-            sb = e4m3_to_fp16(sb.to(tl.int16))
-            sa = tl.reshape(tl.broadcast_to(sa[:, :, None], [BLOCK_M, BLOCK_K // 16, 8]), [BLOCK_M, BLOCK_K // 2])
-            sb = tl.reshape(tl.broadcast_to(sb[:, :, None], [BLOCK_N, BLOCK_K // 16, 8]), [BLOCK_N, BLOCK_K // 2])
-            a_even, a_odd = decode_nvfp4_pairs(a, sa)
-            b_even, b_odd = decode_nvfp4_pairs(b, sb)
-            if SWAP_AB:  # small M: the weight tile is the MMA's first operand (kept in registers)
-                acc_t = tl.dot(b_even, tl.trans(a_even), acc_t)
-                acc_t = tl.dot(b_odd, tl.trans(a_odd), acc_t)
-            else:
-                acc = tl.dot(a_even, tl.trans(b_even), acc)
-                acc = tl.dot(a_odd, tl.trans(b_odd), acc)
-        else:
+    if FP4:
+        acc = w4a4_tile(a_ptr, as_ptr, b_ptr, bs_ptr, offs_m, mask_m, offs_n, mask_n, K,
+                        stride_am, stride_asm, stride_bn, stride_bsn, EVEN_K, SWAP_AB, BLOCK_M, BLOCK_N, BLOCK_K)
+        gsa = tl.load(ags_ptr + offs_m * stride_ags, mask=mask_m, other=1.0)
+        gsb = tl.load(bgs_ptr + offs_n * stride_bgs, mask=mask_n, other=1.0)
+        acc = (acc * gsa[:, None]) * gsb[None, :]
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < K
             a = tl.load(a_ptr + offs_m[:, None] * stride_am + kk[None, :], mask=mask_m[:, None] & k_ok[None, :], other=0.0)
@@ -124,39 +174,53 @@ def _gemm_kernel(
                 acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
-    if SWAP_AB:
-        acc = tl.trans(acc_t)
-    if FP4:
-        gsa = tl.load(ags_ptr + offs_m * stride_ags, mask=mask_m, other=1.0)
-        gsb = tl.load(bgs_ptr + offs_n * stride_bgs, mask=mask_n, other=1.0)
-        acc = (acc * gsa[:, None]) * gsb[None, :]
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     c = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-# Small M uses narrower M tiles (same BLOCK_K, same K order). On the H200 the narrow and wide tiles gave
-# identical bits (bench/gemm.py checks it every run, and tests/test_ops.py's invariance test covers
-# M=1 against M=300 on the GPU); set False to fall back to one tile shape for every M.
+# M <= SWAP_MAX_M uses the swapped narrow tiles: the weights are the MMA's first operand (wgmma's M = 64 per
+# warpgroup, from registers), the activations its N (16/32/64/128 by M: the narrowest power of two >= M).
+# M > SWAP_MAX_M uses the wide 128-row tiles. Every config has BLOCK_K = 128 and the same K order, so a
+# row's bits do not depend on which one ran (see the module docstring; tests/test_ops.py and
+# bench/gemm.py check it). SMALL_M_TILES = False falls back to the wide tiles for every M.
 SMALL_M_TILES = True
+SWAP_MAX_M = 128
+SWAP_CONFIGS = {  # BLOCK_M (the swapped MMA's N) -> the rest of the tile; BLOCK_K is fixed below
+    16: dict(BLOCK_N=64, num_warps=4, num_stages=4),
+    32: dict(BLOCK_N=64, num_warps=4, num_stages=4),
+    64: dict(BLOCK_N=64, num_warps=4, num_stages=4),
+    128: dict(BLOCK_N=64, num_warps=4, num_stages=3),
+}
+FP4_BLOCK_K = 128  # the K order of every W4A4 config on the GPU (never per M)
 CONFIG_OVERRIDE: dict | None = None  # bench/gemm.py only: try other fixed configs
 
 
+def swap_block_m(m: int) -> int:
+    """The swapped tile's BLOCK_M for M rows: 16, 32, 64 or 128."""
+    return max(16, triton.next_power_of_2(max(m, 1)))
+
+
 def gemm_config(m: int, n: int, k: int, fp4: bool) -> dict:
-    """The one tile configuration for (N, K): BLOCK_K and the reduction order never depend on M."""
-    if interpreting():
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64 if fp4 else 32, GROUP_M=4, num_warps=4, num_stages=1,
-                    SWAP_AB=fp4 and m <= 16)
+    """The tile configuration for (M, N, K). BLOCK_K, and with it the reduction order, depends on (N, K)
+    only (here: a constant); BLOCK_M, BLOCK_N, warps, stages and SWAP_AB may depend on M."""
+    if interpreting():  # smaller tiles, same bucket structure as on the GPU, so the tests cross configs
+        if fp4:
+            if m <= SWAP_MAX_M:
+                return dict(BLOCK_M=swap_block_m(m), BLOCK_N=32, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=1, SWAP_AB=True)
+            return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=1, SWAP_AB=False)
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1, SWAP_AB=False)
     if fp4 and CONFIG_OVERRIDE:
-        return dict(CONFIG_OVERRIDE)
+        return dict(CONFIG_OVERRIDE, BLOCK_K=FP4_BLOCK_K)
     if fp4:
+        if SMALL_M_TILES and m <= SWAP_MAX_M:
+            bm = swap_block_m(m)
+            return dict(BLOCK_M=bm, BLOCK_K=FP4_BLOCK_K, GROUP_M=8, SWAP_AB=True, **SWAP_CONFIGS[bm])
         # 128x256 tiles for wide layers; 128x128 when N is small, so more programs fill the GPU
-        cfg = dict(BLOCK_M=128, BLOCK_N=256 if n >= 4096 else 128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
-        if SMALL_M_TILES and m <= 16:
-            cfg.update(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4, SWAP_AB=True)
-        return cfg
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+        return dict(BLOCK_M=128, BLOCK_N=256 if n >= 4096 else 128, BLOCK_K=FP4_BLOCK_K, GROUP_M=8, num_warps=8,
+                    num_stages=3, SWAP_AB=False)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, SWAP_AB=False)
 
 
 def _flat_gs(t: NVFP4Tensor):
