@@ -25,24 +25,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import CONFIGS, make_config  # noqa: E402
 from minite_core.engine import Learner  # noqa: E402
 from minite_core.model import load_model  # noqa: E402
 from minite_core.model.qwen3 import Qwen3Config  # noqa: E402
 from minite_core.model.random_init import random_checkpoint  # noqa: E402
 from minite_core.rl.trainer import requantize  # noqa: E402
-
-CONFIGS = {  # Qwen3-0.6B and Qwen3-1.7B shapes (vocabulary included)
-    "0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-}
-
-
-def make_config(name: str, seq: int) -> Qwen3Config:
-    c = dict(CONFIGS[name], max_position_embeddings=max(seq, 4096), rms_norm_eps=1e-6, rope_theta=1e6,
-             model_type="qwen3", architectures=["Qwen3ForCausalLM"])
-    return Qwen3Config.from_hf(c)
 
 
 def time_steps(step, n: int) -> list[float]:

@@ -16,8 +16,14 @@ versions decode in separate forwards: every op is batch-invariant, so splitting 
 
 The logprob of a sampled token is log_softmax(logits / temperature) over the full vocabulary, at that
 token (temperature 0, greedy, reports temperature 1); top-k and top-p only shape the distribution the
-token is drawn from. Each sequence samples from its own torch.Generator seeded from (seed, its index
-among the request's n samples), so a seeded request gives the same tokens whatever runs beside it.
+token is drawn from. Sampling is batched (`sampler`): Gumbel-max with counter-based noise keyed by the
+sequence's seed (from the request's seed and the sample's index among its n) and the token's index, so
+a seeded request gives the same tokens whatever runs beside it.
+
+Speed: sequences that join in the same step are prefilled together (right-padded; positions beyond a
+prompt write cache entries that no query of the sequence reads before its decode step overwrites
+them), and on CUDA the decode step of the newest weight version replays a captured CUDA graph
+(`graphs`). Each step synchronizes with the host once, to read the sampled tokens.
 Because every op of the model is batch-invariant and decode == prefill, these logprobs equal, bit for
 bit, those `Learner.logprobs` computes from the full sequence.
 """
@@ -29,8 +35,9 @@ import math
 
 import torch
 
-from .. import ops
 from ..model.qwen3 import KVCache, Qwen3
+from .graphs import DecodeGraphs
+from .sampler import noise_key, sample_batch
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
 
@@ -83,7 +90,7 @@ class Completion:
 class _Seq:
     prompt: list[int]
     params: SamplingParams
-    gen: torch.Generator
+    seed: int
     request: "Request"
     sample_index: int
     tokens: list = dataclasses.field(default_factory=list)
@@ -119,36 +126,22 @@ class Request:
                            q.finish, self.version, self.index, q.sample_index) for q in self.seqs]
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator,
-           backend: str | None = None) -> tuple[int, torch.Tensor]:
-    """Draw one token from logits [V]; return it and its logprob (full-vocabulary log-softmax at T)."""
-    t = params.temperature if params.temperature > 0 else 1.0
-    logp = ops.log_softmax(logits.unsqueeze(0), t, backend=backend)[0]
-    if params.temperature == 0:
-        tok = int(torch.argmax(logits))
-        return tok, logp[tok]
-    shaped = logp.clone()
-    if params.top_k and params.top_k < shaped.numel():
-        kth = torch.topk(shaped, params.top_k).values[-1]
-        shaped[shaped < kth] = float("-inf")
-    if params.top_p < 1.0:
-        sorted_lp, order = torch.sort(shaped, descending=True)
-        probs = torch.exp(sorted_lp)
-        cum = torch.cumsum(probs, 0)
-        drop = cum - probs > params.top_p  # keep the smallest prefix whose mass reaches top_p
-        shaped[order[drop]] = float("-inf")
-    probs = torch.exp(shaped - shaped.max())
-    tok = int(torch.multinomial(probs.cpu(), 1, generator=gen))
-    return tok, logp[tok]
-
-
 class RolloutEngine:
-    def __init__(self, model: Qwen3, *, max_slots: int = 16, max_seq_len: int | None = None):
+    PREFILL_TOKENS = 16384  # at most this many (padded) prompt tokens per prefill forward
+
+    def __init__(self, model: Qwen3, *, max_slots: int = 16, max_seq_len: int | None = None,
+                 cuda_graphs: bool | None = None):
         self.model = model
         self.max_seq_len = max_seq_len or min(model.cfg.max_position_embeddings, 4096)
         if max_slots < 1 or self.max_seq_len < 2:
             raise ValueError("max_slots must be >= 1 and max_seq_len >= 2")
-        self.cache = KVCache(model.cfg, max_slots, self.max_seq_len, model.dtype, model.device)
+        # one cache row more than slots: the scratch row the padding rows of a graph bucket write to
+        self.cache = KVCache(model.cfg, max_slots + 1, self.max_seq_len, model.dtype, model.device)
+        if cuda_graphs is None:
+            cuda_graphs = model.device.type == "cuda" and not model.knobs and not model.cfg.num_experts
+        if cuda_graphs and model.device.type != "cuda":
+            raise ValueError("cuda_graphs needs the model on a CUDA device")
+        self.graphs = DecodeGraphs(model, self.cache, max_slots, scratch_slot=max_slots) if cuda_graphs else None
         self._version = 0
         self.waiting: collections.deque[_Seq] = collections.deque()
         self.running: list[_Seq] = []
@@ -209,8 +202,7 @@ class RolloutEngine:
         req = Request(index, prompt, params, self._version, self.model.w, on_token, on_done)
         for s in range(params.n):
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31, ()))
-            gen = torch.Generator().manual_seed((seed * 1_000_003 + s) % 2**63)
-            req.seqs.append(_Seq(prompt, params, gen, req, s))
+            req.seqs.append(_Seq(prompt, params, (seed * 1_000_003 + s) % 2**63, req, s))
         self.waiting.extend(req.seqs)
         return req
 
@@ -255,8 +247,16 @@ class RolloutEngine:
         return [c for r in reqs for c in r.completions()]
 
     # -- the scheduler --------------------------------------------------------------------------
-    def _append(self, seq: _Seq, logits: torch.Tensor) -> None:
-        tok, lp = sample(logits, seq.params, seq.gen, self.model.backend)
+    def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
+        """Draw every sequence's next token from its logits row [len(seqs), V] (one host sync), append it."""
+        rows = [(q.params.temperature, q.params.top_k, q.params.top_p, noise_key(q.seed, len(q.tokens))) for q in seqs]
+        tokens, logprobs = sample_batch(logits, rows, self.model.backend)
+        toks = tokens.tolist()
+        lps = logprobs.cpu()
+        for j, q in enumerate(seqs):
+            self._append(q, toks[j], lps[j])
+
+    def _append(self, seq: _Seq, tok: int, lp: torch.Tensor) -> None:
         seq.tokens.append(tok)
         seq.logprobs.append(lp)
         if tok in seq.params.stop_token_ids:
@@ -282,32 +282,69 @@ class RolloutEngine:
                 req.on_done(req)
 
     @staticmethod
-    def _capture_rows(capture, seqs: list[_Seq]):
+    def _capture_rows(capture, seqs: list[_Seq], lengths: list[int] | None = None):
         if capture is None:
             return None
-        return lambda name, t: [capture(q.key, name, t[j]) for j, q in enumerate(seqs)]
+        if lengths is None:
+            return lambda name, t: [capture(q.key, name, t[j]) for j, q in enumerate(seqs)]
+        return lambda name, t: [capture(q.key, name, t[j, :n]) for j, (q, n) in enumerate(zip(seqs, lengths))]
 
-    def _forward(self, seqs: list[_Seq], ids, pos, capture):
-        """One forward over `seqs` (all on one weight version) with that version's weights."""
-        dev = self.model.device
+    def _forward(self, seqs: list[_Seq], ids: torch.Tensor, pos: torch.Tensor, capture, lengths=None):
+        """One eager forward over `seqs` (all on one weight version) with that version's weights."""
         serving = self.model.w
         self.model.w = seqs[0].request.weights
+        slots = torch.tensor([q.slot for q in seqs]).to(self.model.device, non_blocking=True)
         try:
-            return self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.cache,
-                              torch.tensor([q.slot for q in seqs], device=dev), capture=self._capture_rows(capture, seqs))
+            return self.model(ids, pos, self.cache, slots, capture=self._capture_rows(capture, seqs, lengths),
+                              check_ids=False)
         finally:
             self.model.w = serving
 
+    def _prefill(self, seqs: list[_Seq], capture) -> None:
+        """Prefill sequences of one version together, right-padded to the longest prompt (in chunks of at
+        most PREFILL_TOKENS padded tokens), and draw each one's first token."""
+        dev = self.model.device
+        seqs = sorted(seqs, key=lambda q: len(q.prompt))
+        lo = 0
+        while lo < len(seqs):
+            hi = lo + 1
+            while hi < len(seqs) and (hi + 1 - lo) * len(seqs[hi].prompt) <= self.PREFILL_TOKENS:
+                hi += 1
+            group = seqs[lo:hi]
+            t = len(group[-1].prompt)
+            ids = torch.tensor([q.prompt + [0] * (t - len(q.prompt)) for q in group])
+            pos = torch.arange(t).expand(len(group), t)
+            logits = self._forward(group, ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True), capture,
+                                   [len(q.prompt) for q in group])
+            last = torch.tensor([len(q.prompt) - 1 for q in group]).to(dev, non_blocking=True)
+            self._sample(group, logits[torch.arange(len(group), device=dev), last])
+            lo = hi
+
+    def _decode(self, seqs: list[_Seq], capture) -> None:
+        dev = self.model.device
+        ids = torch.tensor([[q.tokens[-1]] for q in seqs]).to(dev, non_blocking=True)
+        pos = torch.tensor([[len(q.prompt) + len(q.tokens) - 1] for q in seqs]).to(dev, non_blocking=True)
+        req = seqs[0].request
+        if self.graphs is not None and capture is None and req.version == self._version:
+            self.graphs.load(req.weights, req.version)
+            slots = torch.tensor([q.slot for q in seqs]).to(dev, non_blocking=True)
+            logits = self.graphs.run(ids, pos, slots)
+        else:
+            logits = self._forward(seqs, ids, pos, capture)[:, 0]
+        self._sample(seqs, logits)
+
     @torch.no_grad()
     def step(self, capture=None) -> None:
-        """One scheduler iteration: waiting sequences join free slots (prefill each), then one decode
-        step for every running sequence, one forward per weight version in flight."""
+        """One scheduler iteration: waiting sequences join free slots (prefilled together, per weight
+        version), then one decode step for every running sequence, one forward per version in flight."""
+        joining: dict[int, list[_Seq]] = {}
         while self.waiting and self.free:
             seq = self.waiting.popleft()
             seq.slot = self.free.pop(0)
             self.running.append(seq)  # before the forward: if it raises, cancel() still finds the sequence
-            logits = self._forward([seq], [seq.prompt], [list(range(len(seq.prompt)))], capture)
-            self._append(seq, logits[0, -1])
+            joining.setdefault(seq.request.version, []).append(seq)
+        for seqs in joining.values():
+            self._prefill(seqs, capture)
         self._reap()
         if self.waiting and self.free:
             return  # let waiting sequences join before the next decode step
@@ -315,8 +352,5 @@ class RolloutEngine:
         for q in self.running:
             groups.setdefault(q.request.version, []).append(q)
         for seqs in groups.values():
-            logits = self._forward(seqs, [[q.tokens[-1]] for q in seqs],
-                                   [[len(q.prompt) + len(q.tokens) - 1] for q in seqs], capture)
-            for q, row in zip(seqs, logits[:, 0]):
-                self._append(q, row)
+            self._decode(seqs, capture)
         self._reap()

@@ -1,0 +1,128 @@
+"""CUDA graphs for the rollout engine's decode step, one per batch-size bucket, surviving weight syncs.
+
+A decode step of a small model is hundreds of small kernels; launched from Python each costs more than
+it computes. Capturing the step once per batch-size bucket (1, 2, 4, ... up to the engine's slots) and
+replaying it removes the launch cost. A batch of b sequences runs in the smallest bucket >= b; the
+padding rows decode a dummy token into a scratch cache slot that no sequence owns. Every op is
+batch-invariant, so the real rows get the same bits as in an eager forward of the b rows alone.
+
+A graph reads its weights from fixed addresses. The runner owns one set of weight buffers (the
+"graph weights"), captured once; a weight sync copies the new values into them in place
+(`copy_weights_`), so the graphs stay valid across versions: no re-capture, no re-compile (the
+failure mode reported for vLLM/SGLang where a weight update silently leaves a graph on stale
+pointers cannot happen: the graph never sees other tensors). The buffers hold one version at a time:
+the engine replays graphs only for sequences on the newest version and runs older, draining versions
+eagerly.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..nvfp4 import NVFP4Tensor
+
+
+def clone_weights(weights: dict) -> dict:
+    out = {}
+    for name, t in weights.items():
+        if isinstance(t, NVFP4Tensor):
+            out[name] = NVFP4Tensor(t.data.clone(), t.scale.clone(), t.global_scale.clone(), t.shape)
+        else:
+            out[name] = t.clone()
+    return out
+
+
+def copy_weights_(dst: dict, src: dict) -> None:
+    """Write `src` into `dst`'s tensors in place; the names, shapes and formats must match."""
+    if dst.keys() != src.keys():
+        raise ValueError("weight sync: the new weights have other tensor names than the captured ones")
+    for name, d in dst.items():
+        s = src[name]
+        if isinstance(d, NVFP4Tensor) != isinstance(s, NVFP4Tensor) or tuple(d.shape) != tuple(s.shape):
+            raise ValueError(f"weight sync: {name} changed format or shape; graphs need the same layout")
+        if isinstance(d, NVFP4Tensor):
+            if d.global_scale.shape != s.global_scale.shape:
+                raise ValueError(f"weight sync: {name} changed its global-scale layout")
+            d.data.copy_(s.data)
+            d.scale.copy_(s.scale)
+            d.global_scale.copy_(s.global_scale)
+        else:
+            d.copy_(s)
+
+
+def buckets(max_batch: int) -> list[int]:
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
+class DecodeGraphs:
+    """Graph-captured decode forwards of `model` over `cache`; `scratch_slot` is a cache row no sequence uses."""
+
+    def __init__(self, model, cache, max_batch: int, scratch_slot: int):
+        self.model, self.cache, self.scratch = model, cache, scratch_slot
+        self.buckets = buckets(max_batch)
+        dev = model.device
+        top = self.buckets[-1]
+        self.ids = torch.zeros(top, 1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(top, 1, dtype=torch.long, device=dev)
+        self.slots = torch.full((top,), scratch_slot, dtype=torch.long, device=dev)
+        self.weights: dict | None = None  # the graph weights
+        self.loaded = None  # (id of the weights dict, version) whose values the graph weights hold
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def bucket(self, b: int) -> int:
+        return next(x for x in self.buckets if x >= b)
+
+    def load(self, weights: dict, version: int) -> None:
+        """Make the graph weights hold `weights` (a copy in place after the first call)."""
+        key = (id(weights), version)
+        if self.loaded == key:
+            return
+        if self.weights is None:
+            self.weights = clone_weights(weights)
+        else:
+            copy_weights_(self.weights, weights)
+        self.loaded = key
+
+    def _forward(self, b: int) -> torch.Tensor:
+        serving = self.model.w
+        self.model.w = self.weights
+        try:
+            return self.model(self.ids[:b], self.pos[:b], self.cache, self.slots[:b], check_ids=False)
+        finally:
+            self.model.w = serving
+
+    def _capture(self, b: int):
+        # warm up on a side stream (compiles the Triton kernels, settles the allocator), then capture
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            self._forward(b)
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = self._forward(b)
+        self.graphs[b] = (g, out)
+
+    def run(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One decode step for b sequences (ids, pos [b, 1], slots [b], on the device) -> logits [b, V].
+        The caller has `load`ed the weights; the result is valid until the next `run`."""
+        b = ids.shape[0]
+        n = self.bucket(b)
+        self.ids[:b].copy_(ids)
+        self.pos[:b].copy_(pos)
+        self.slots[:b].copy_(slots)
+        self.ids[b:n].zero_()
+        self.pos[b:n].zero_()
+        self.slots[b:n].fill_(self.scratch)
+        if n not in self.graphs:
+            self._capture(n)
+        g, out = self.graphs[n]
+        g.replay()
+        return out[:b, 0]
