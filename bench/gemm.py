@@ -9,8 +9,14 @@ For each shape (N, K) and M it times, with triton.testing.do_bench_cudagraph (me
   minite-w4a4   ops.linear on an NVFP4 weight: fused activation quantize + W4A4 GEMM (end to end)
   minite-gemm   the W4A4 GEMM kernel alone on pre-quantized activations
 and the activation-quantize kernel's bandwidth against a plain device copy. It also checks, on the GPU,
-that the narrow small-M tile config gives the same bits as the default one (the condition for
-SMALL_M_TILES), and that the W4A4 output is invariant: row i of an M-row product == the 1-row product.
+that the swapped narrow tiles (M <= 128: BLOCK_M 16/32/64/128) give the same bits as the wide ones (the
+condition for SMALL_M_TILES), and that the W4A4 output is invariant: row i of an M-row product == the
+1-row product.
+
+The MoE table (`grouped`) times the grouped W4A4 GEMM (kernels/grouped_gemm.py: one launch over all
+experts, routing read on the device) against a per-expert loop of cuBLAS bf16 matmuls and a per-expert
+loop of the dense W4A4 kernel, for E experts of [N, K] and T tokens routed top-k (random logits, so
+about T*k/E rows per expert), and checks that the grouped rows equal the dense kernel's bit for bit.
 """
 from __future__ import annotations
 
@@ -26,10 +32,13 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minite_core import nvfp4, ops  # noqa: E402
 from minite_core.kernels import gemm as gemm_mod  # noqa: E402
+from minite_core.kernels import grouped_gemm as gg  # noqa: E402
 from minite_core.kernels.quantize import quantize_triton  # noqa: E402
 
 SHAPES = [(12288, 4096), (1536, 2048)]  # a dense projection; a MoE expert's gate_up (Qwen3-30B-A3B)
-MS = [1, 16, 64, 256, 1024, 4096, 8192]
+MS = [1, 16, 64, 128, 256, 4096, 8192]
+GROUPED = [(8, 768, 1024, 2), (128, 768, 1024, 8)]  # (E, N, K, top-k): 8 experts; Qwen3-30B-A3B-like 128 top-8
+GROUPED_TOKENS = [1, 16, 64, 256, 1024, 4096]
 
 
 def bench(fn) -> float:
@@ -39,7 +48,7 @@ def bench(fn) -> float:
 
 
 def tile_config_check(n: int, k: int) -> dict:
-    """Do the narrow small-M tiles give the same bits as the default tiles (GPU)? And is W4A4 invariant?"""
+    """Do the swapped narrow tiles (M <= 128) give the same bits as the wide tiles (GPU)? Is W4A4 invariant?"""
     g = torch.Generator(device="cuda").manual_seed(0)
     w = nvfp4.quantize(torch.randn(n, k, device="cuda", generator=g) * 0.02, scale_mode="tensor")
     x = torch.randn(4096, k, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -47,18 +56,21 @@ def tile_config_check(n: int, k: int) -> dict:
     default = gemm_mod.SMALL_M_TILES
     gemm_mod.SMALL_M_TILES = False
     big = gemm_mod.gemm_triton(xq, w, None, torch.bfloat16)
-    same_tiles, invariant = True, True
+    same_tiles, invariant = {}, True
+    for m in (1, 5, 16, 17, 40, 64, 100, 128):
+        ok = True
+        for lo in range(0, 4096 - m, 512):
+            rows = nvfp4.NVFP4Tensor(xq.data[lo:lo + m], xq.scale[lo:lo + m], xq.global_scale[lo:lo + m], (m, k))
+            gemm_mod.SMALL_M_TILES = True
+            small = gemm_mod.gemm_triton(rows, w, None, torch.bfloat16)
+            gemm_mod.SMALL_M_TILES = False
+            ok &= torch.equal(small, big[lo:lo + m])
+        same_tiles[m] = bool(ok)
+    gemm_mod.SMALL_M_TILES = default
     for lo in range(0, 4096, 512):
-        rows = nvfp4.NVFP4Tensor(xq.data[lo:lo + 16], xq.scale[lo:lo + 16], xq.global_scale[lo:lo + 16], (16, k))
-        gemm_mod.SMALL_M_TILES = True
-        small = gemm_mod.gemm_triton(rows, w, None, torch.bfloat16)
-        gemm_mod.SMALL_M_TILES = False
-        same_tiles &= torch.equal(small, big[lo:lo + 16])
-        gemm_mod.SMALL_M_TILES = default
         one = ops.linear(x[lo:lo + 1], w, backend="triton")
         invariant &= torch.equal(one, ops.linear(x[: lo + 300], w, backend="triton")[lo:lo + 1])
-    gemm_mod.SMALL_M_TILES = default
-    return {"small_tiles_same_bits": bool(same_tiles), "invariant": bool(invariant)}
+    return {"small_tiles_same_bits": all(same_tiles.values()), "by_M": same_tiles, "invariant": bool(invariant)}
 
 
 def run(quick: bool) -> list[dict]:
@@ -84,10 +96,52 @@ def run(quick: bool) -> list[dict]:
             r["naive-deq"] = bench(lambda: torch.matmul(x, wq.dequantize(torch.bfloat16).T))
             r["minite-w4a4"] = bench(lambda: ops.linear(x, wq, backend="triton", check_finite=False))
             r["minite-gemm"] = bench(lambda: gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16))
-            if m <= 16:  # the wide tiles, for comparison
+            if m <= gemm_mod.SWAP_MAX_M:  # the wide tiles, for comparison
                 gemm_mod.SMALL_M_TILES = False
                 r["minite-gemm-wide-tiles"] = bench(lambda: gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16))
                 gemm_mod.SMALL_M_TILES = True
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    return rows
+
+
+def run_grouped(quick: bool) -> list[dict]:
+    """Grouped W4A4 GEMM vs per-expert loops (cuBLAS bf16; the dense W4A4 kernel), CUDA-graph medians."""
+    rows = []
+    for e, n, k, topk in GROUPED:
+        g = torch.Generator(device="cuda").manual_seed(1)
+        w32 = [torch.randn(n, k, device="cuda", generator=g) * 0.02 for _ in range(e)]
+        experts = [nvfp4.quantize(w, scale_mode="tensor") for w in w32]
+        w_bf16 = [w.to(torch.bfloat16) for w in w32]
+        wq = gg.stack_experts(experts)
+        for t in ([16, 1024] if quick else GROUPED_TOKENS):
+            logits = torch.randn(t, e, device="cuda", generator=g)
+            srt = gg.moe_sort(logits.topk(topk, dim=1).indices, e)
+            x = torch.randn(t, k, device="cuda", generator=g, dtype=torch.bfloat16)[srt.tokens]
+            xq = quantize_triton(x, None)
+            offs = srt.offsets.tolist()  # host copy for the per-expert loops only (outside the timed region)
+            active = [(i, offs[i], offs[i + 1]) for i in range(e) if offs[i + 1] > offs[i]]
+            parts = [(i, lo, hi, nvfp4.NVFP4Tensor(xq.data[lo:hi], xq.scale[lo:hi], xq.global_scale[lo:hi], (hi - lo, k)))
+                     for i, lo, hi in active]
+            out_b = torch.empty(t * topk, n, device="cuda", dtype=torch.bfloat16)
+
+            def cublas_loop():
+                for i, lo, hi in active:
+                    torch.matmul(x[lo:hi], w_bf16[i].T, out=out_b[lo:hi])
+
+            def dense_loop():
+                for i, lo, hi, xp in parts:
+                    out_b[lo:hi] = gemm_mod.gemm_triton(xp, experts[i], None, torch.bfloat16)
+
+            out = gg.grouped_gemm(xq, wq, srt.offsets, torch.bfloat16)
+            same = all(torch.equal(out[lo:hi], gemm_mod.gemm_triton(xp, experts[i], None, torch.bfloat16))
+                       for i, lo, hi, xp in parts)
+            r = {"E": e, "N": n, "K": k, "topk": topk, "T": t, "rows": t * topk, "experts_hit": len(active),
+                 "cublas-bf16-loop": bench(cublas_loop), "minite-dense-loop": bench(dense_loop),
+                 "minite-grouped": bench(lambda: gg.grouped_gemm(xq, wq, srt.offsets, torch.bfloat16)),
+                 "grouped_equals_dense": bool(same), "config": gg.grouped_config(t * topk, e, n, k)}
+            w_bytes = len(active) * n * (k // 2 + k // 16)
+            r["grouped_weight_TBps"] = w_bytes / r["minite-grouped"] / 1e12
             rows.append(r)
             print(json.dumps(r), flush=True)
     return rows
@@ -117,16 +171,23 @@ SWEEP = [  # fixed configs to compare (BLOCK_K must stay 128: the K order is sha
     dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4, SWAP_AB=True),
     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4, SWAP_AB=True),
     dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3, SWAP_AB=True),
+    dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4, SWAP_AB=True),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3, SWAP_AB=True),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3, SWAP_AB=True),
+    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3, SWAP_AB=True),
+    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=2, SWAP_AB=True),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3, SWAP_AB=True),
 ]
 
 
 def sweep(n=12288, k=4096):
     g = torch.Generator(device="cuda").manual_seed(0)
     wq = nvfp4.quantize(torch.randn(n, k, device="cuda", generator=g) * 0.02, scale_mode="tensor")
-    for m in (16, 4096):
+    for m in (16, 64, 128, 4096):
         xq = quantize_triton(torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16), None)
         for cfg in SWEEP:
-            if (m <= 16) != (cfg["BLOCK_M"] == 16):
+            want = gemm_mod.swap_block_m(m) if m <= gemm_mod.SWAP_MAX_M else 128
+            if cfg["BLOCK_M"] != want or cfg.get("SWAP_AB", False) != (m <= gemm_mod.SWAP_MAX_M) and m > 16:
                 continue
             gemm_mod.CONFIG_OVERRIDE = cfg
             try:
@@ -142,21 +203,34 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--sweep", action="store_true", help="first time a few fixed tile configs")
+    ap.add_argument("--grouped-only", action="store_true", help="only the MoE grouped GEMM table")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/gemm.py needs a CUDA GPU")
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
     if args.sweep:
         sweep()
-    checks = {f"{n}x{k}": tile_config_check(n, k) for n, k in SHAPES}
-    print("# tile/invariance checks:", json.dumps(checks), flush=True)
-    qbw = quantize_bandwidth()
-    rows = run(args.quick)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"checks": checks, "quantize": qbw, "gemm": rows}, indent=1))
-
     def us(v):
         return f"{v * 1e6:9.1f}" if v else "      n/a"
+
+    grouped = run_grouped(args.quick)
+    if args.grouped_only:
+        checks, qbw, rows = {}, None, []
+    else:
+        checks = {f"{n}x{k}": tile_config_check(n, k) for n, k in SHAPES}
+        print("# tile/invariance checks:", json.dumps(checks), flush=True)
+        qbw = quantize_bandwidth()
+        rows = run(args.quick)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"checks": checks, "quantize": qbw, "gemm": rows, "grouped": grouped}, indent=1))
+
+    print("\n  E    N     K top    T  rows hit | cuBLAS bf16 loop | W4A4 dense loop | W4A4 grouped | grouped vs cuBLAS loop | weights TB/s | bits == dense")
+    for r in grouped:
+        print(f"{r['E']:3d} {r['N']:4d} {r['K']:5d} {r['topk']:3d} {r['T']:5d} {r['rows']:5d} {r['experts_hit']:3d} |"
+              f"     {us(r['cublas-bf16-loop'])}us  |    {us(r['minite-dense-loop'])}us  | {us(r['minite-grouped'])}us  |"
+              f" {r['cublas-bf16-loop'] / r['minite-grouped']:6.2f}x                | {r['grouped_weight_TBps']:5.2f}       | {r['grouped_equals_dense']}")
+    if args.grouped_only:
+        return
 
     print("\n   N     K     M | cuBLAS bf16 | fp8 mm | naive deq | minite w4a4 | gemm only | wide tiles  | w4a4 vs bf16 | TFLOP/s w4a4 (bf16)")
     for r in rows:

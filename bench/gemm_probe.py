@@ -1,26 +1,211 @@
-"""Look inside the W4A4 GEMM kernel on the GPU: registers, spills, shared memory, TTGIR/PTX/SASS.
+"""Look inside the W4A4 GEMM kernels: registers, spills, shared memory, TTGIR/PTX/SASS, instruction mix.
 
-    python bench/gemm_probe.py OUTDIR            # writes <cfg>.ttgir/.ptx/.sass and prints resources
+Two modes:
+
+    python bench/gemm_probe.py OUTDIR --sm90     # no GPU needed: compile for sm_90 on this machine
+    python bench/gemm_probe.py OUTDIR            # on the GPU: compile through the JIT, as the kernels run
     ncu --clock-control none -k regex:_gemm_kernel python bench/gemm_probe.py OUTDIR --once
 
-The files are for reading off the device (docs/benchmarks.md explains what they showed).
+`--sm90` builds each config with `triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))`,
+giving the pointer and stride arguments the divisibility (16) the JIT infers for contiguous tensors with
+K % 128 == 0, then runs Triton's own `ptxas -v` (registers, spills, shared memory) and `cuobjdump -sass`.
+It writes <name>.ttgir/.ptx/.sass under OUTDIR and prints, per config, the resources and the
+instruction mix of the K loop (the SASS block that ends in the backward branch): HGMMA, LDGSTS, and
+the decode ALU ops, per packed byte of the tile. docs/gemm_sass.md reads these numbers.
 """
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
+import tempfile
+from collections import Counter
 from pathlib import Path
 
-import torch
-import triton
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from minite_core import nvfp4  # noqa: E402
+os.environ.pop("TRITON_INTERPRET", None)  # this script compiles; it never interprets
+
+import triton  # noqa: E402
+
 from minite_core.kernels import gemm as gemm_mod  # noqa: E402
-from minite_core.kernels.quantize import quantize_triton  # noqa: E402
+from minite_core.kernels import grouped_gemm as gg  # noqa: E402
+
+SHAPE = (12288, 4096)  # N, K of the dense projection in bench/gemm.py
+
+
+def _bin(name: str) -> str:
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+# --------------------------------------------------------------------------------------- sm_90, on the CPU
+
+_PTRS = dict(a_ptr="*u8", as_ptr="*u8", ags_ptr="*fp32", b_ptr="*u8", bs_ptr="*u8", bgs_ptr="*fp32",
+             bias_ptr="*bf16", c_ptr="*bf16", off_ptr="*i32")
+
+
+def _source(kernel, constexprs: dict, scalars_one: tuple):
+    """ASTSource for `kernel` with pointer args aligned to 16 and the int args divisible by 16, except
+    those in `scalars_one` (strides that are 0 or 1)."""
+    from triton.backends.compiler import GPUTarget  # noqa: F401  (import check)
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    sig, attrs = {}, {}
+    for i, a in enumerate(names):
+        if a in constexprs:
+            sig[a] = "constexpr"
+        elif a in _PTRS:
+            sig[a] = _PTRS[a]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[a] = "i32"
+            if a not in scalars_one and a not in ("M", "E"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return ASTSource(kernel, sig, constexprs, attrs)
+
+
+def compile_sm90(kernel, constexprs: dict, num_warps: int, num_stages: int, scalars_one=()):
+    from triton.backends.compiler import GPUTarget
+
+    src = _source(kernel, constexprs, scalars_one)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def ptxas_report(ptx: str) -> dict:
+    """`ptxas -v` on the PTX Triton generated: registers, spill bytes, stack."""
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "k.ptx"
+        p.write_text(ptx)
+        ptxas = _bin("ptxas-blackwell") if Path(_bin("ptxas-blackwell")).exists() else _bin("ptxas")  # Triton's PTX version
+        r = subprocess.run([ptxas, "-v", "-arch=sm_90a", str(p), "-o", str(Path(d) / "k.cubin")],
+                           capture_output=True, text=True)
+    text = r.stderr + r.stdout
+    get = lambda pat: int(m.group(1)) if (m := re.search(pat, text)) else 0  # noqa: E731
+    return {"registers": get(r"Used (\d+) registers"), "spill_stores": get(r"(\d+) bytes spill stores"),
+            "spill_loads": get(r"(\d+) bytes spill loads"), "smem_static": get(r"(\d+) bytes smem"),
+            "stack": get(r"(\d+) bytes stack frame"), "ptxas": text.strip()}
+
+
+def sass_of(cubin: bytes) -> str:
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "k.cubin"
+        p.write_bytes(cubin)
+        return subprocess.run([_bin("cuobjdump"), "-sass", str(p)], capture_output=True, text=True).stdout
+
+
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\.[A-Z0-9_.]+)?")
+
+
+def main_loop(sass: str) -> list[tuple[int, str]]:
+    """(address, opcode with suffixes) of the K loop: the longest span that a backward BRA closes."""
+    instrs, branches = [], []
+    for line in sass.splitlines():
+        m = _INSTR.search(line)
+        if not m:
+            continue
+        addr, op = int(m.group(1), 16), m.group(3) + (m.group(4) or "")
+        instrs.append((addr, op))
+        t = re.search(r"BRA\s+(?:`?\(?\.?L_x_\d+\)?|0x([0-9a-f]+))", line)
+        if m.group(3) == "BRA" and t and t.group(1) and int(t.group(1), 16) < addr:
+            branches.append((int(t.group(1), 16), addr))
+        elif m.group(3) == "BRA":
+            lab = re.search(r"\.L_x_(\d+)", line)
+            if lab:
+                branches.append(("label", lab.group(0), addr))
+    labels = {}
+    for line in sass.splitlines():  # label definitions: ".L_x_3:" followed by the next instruction
+        lm = re.match(r"\s*(\.L_x_\d+):", line)
+        if lm:
+            labels[lm.group(1)] = None
+            pending = lm.group(1)
+            continue
+        m = _INSTR.search(line)
+        if m and labels and any(v is None for v in labels.values()):
+            for k_, v in labels.items():
+                if v is None:
+                    labels[k_] = int(m.group(1), 16)
+    spans = []
+    for b in branches:
+        if b[0] == "label":
+            tgt = labels.get(b[1])
+            if tgt is not None and tgt < b[2]:
+                spans.append((tgt, b[2]))
+        else:
+            spans.append(b)
+    if not spans:
+        return []
+    lo, hi = max(spans, key=lambda s: s[1] - s[0])
+    return [(a, op) for a, op in instrs if lo <= a <= hi]
+
+
+DECODE_OPS = ("LOP3", "SHF", "IMAD", "PRMT", "HMUL2", "HFMA2", "HADD2", "I2F", "F2F", "F2FP", "SEL", "IADD3", "LEA",
+              "MOV", "SHL", "SHR", "BFE", "BMSK")
+
+
+def mix(loop: list[tuple[int, str]]) -> Counter:
+    return Counter(op.split(".")[0] for _, op in loop)
+
+
+def probe_sm90(out: Path) -> list[dict]:
+    n, k = SHAPE
+    cases = []
+    for m in (1, 16, 32, 64, 128, 4096):
+        cfg = _gpu_config(m, n, k)
+        const = dict(FP4=True, DOT_FP32=False, DOT_BY_SUM=False, EVEN_K=True, HAS_BIAS=False,
+                     SWAP_AB=cfg["SWAP_AB"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                     GROUP_M=cfg["GROUP_M"])
+        name = f"dense_M{m}_{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}_{'swap' if cfg['SWAP_AB'] else 'wide'}_w{cfg['num_warps']}s{cfg['num_stages']}"
+        cases.append((name, gemm_mod._gemm_kernel, const, cfg, ("stride_ags", "stride_bgs"), m))
+    for bm in (16, 64):
+        cfg = dict(gemm_mod.SWAP_CONFIGS[bm], BLOCK_M=bm, BLOCK_K=gemm_mod.FP4_BLOCK_K, SWAP_AB=True)
+        const = dict(EVEN_K=True, SWAP_AB=True, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], E_PAD=128)
+        name = f"grouped_E128_{bm}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}_w{cfg['num_warps']}s{cfg['num_stages']}"
+        cases.append((name, gg._grouped_kernel, const, cfg, ("stride_ags", "stride_bgse", "stride_bgsn"), bm))
+    rows = []
+    for name, kern, const, cfg, ones, m in cases:
+        ck = compile_sm90(kern, const, cfg["num_warps"], cfg["num_stages"], ones)
+        ttgir, ptx = ck.asm["ttgir"], ck.asm["ptx"]
+        sass = sass_of(ck.asm["cubin"])
+        (out / f"{name}.ttgir").write_text(ttgir)
+        (out / f"{name}.ptx").write_text(ptx)
+        (out / f"{name}.sass").write_text(sass)
+        rep = ptxas_report(ptx)
+        mma = re.search(r"versionMajor = (\d+)", ttgir)
+        loop = main_loop(sass)
+        c = mix(loop)
+        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+        bytes_step = (bm + bn) * bk // 2 + (bm + bn) * bk // 16  # packed bytes + scale bytes per K step per program
+        decode = sum(c[o] for o in DECODE_OPS)
+        row = dict(name=name, mma_version=int(mma.group(1)) if mma else None, registers=rep["registers"],
+                   spill_bytes=rep["spill_stores"] + rep["spill_loads"], smem_dynamic=ck.metadata.shared,
+                   loop_instructions=len(loop), HGMMA=c["HGMMA"], HMMA=c["HMMA"], LDGSTS=c["LDGSTS"], LDG=c["LDG"],
+                   LDS=c["LDS"] + c["LDSM"], STS=c["STS"], BAR=c["BAR"] + c["WARPSYNC"], decode_alu=decode,
+                   decode_alu_per_packed_byte=round(decode * 32 * cfg["num_warps"] / ((bm + bn) * bk // 2), 2),
+                   bytes_per_k_step=bytes_step, flops_per_k_step=2 * bm * bn * bk,
+                   mix=dict(c.most_common(24)))
+        rows.append(row)
+        (out / f"{name}.ptxas.txt").write_text(rep["ptxas"])
+        print(row, flush=True)
+    return rows
+
+
+def _gpu_config(m, n, k):
+    """gemm_config as on the GPU (this script may be imported with TRITON_INTERPRET set elsewhere)."""
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        return gemm_mod.gemm_config(m, n, k, True)
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+# --------------------------------------------------------------------------------------- on the GPU
 
 
 def launch(xq, wq, m, n, k):
+    import torch
+
     cfg = gemm_mod.gemm_config(m, n, k, True)
     c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
@@ -28,18 +213,20 @@ def launch(xq, wq, m, n, k):
         xq.data, xq.scale.view(torch.uint8), xq.global_scale.reshape(-1), wq.data, wq.scale.view(torch.uint8),
         wq.global_scale.reshape(-1), c, c, m, n, k, xq.data.stride(0), xq.scale.stride(0), 1,
         wq.data.stride(0), wq.scale.stride(0), 0, c.stride(0),
-        FP4=True, DOT_FP32=False, DOT_BY_SUM=False, HAS_BIAS=False, **cfg,
+        FP4=True, DOT_FP32=False, DOT_BY_SUM=False, HAS_BIAS=False, EVEN_K=k % cfg["BLOCK_K"] == 0, **cfg,
     )
     return cfg, kern
 
 
-def main():
-    out = Path(sys.argv[1])
-    out.mkdir(parents=True, exist_ok=True)
-    once = "--once" in sys.argv
-    n, k = 12288, 4096
+def probe_gpu(out: Path, once: bool):
+    import torch
+
+    from minite_core import nvfp4
+    from minite_core.kernels.quantize import quantize_triton
+
+    n, k = SHAPE
     wq = nvfp4.quantize(torch.randn(n, k, device="cuda") * 0.02, scale_mode="tensor")
-    for m in (16, 4096):
+    for m in (1, 16, 64, 128, 4096):
         xq = quantize_triton(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), None)
         cfg, kern = launch(xq, wq, m, n, k)
         torch.cuda.synchronize()
@@ -48,13 +235,22 @@ def main():
         name = f"M{m}_{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}_w{cfg['num_warps']}"
         (out / f"{name}.ttgir").write_text(kern.asm["ttgir"])
         (out / f"{name}.ptx").write_text(kern.asm["ptx"])
-        cubin = out / f"{name}.cubin"
-        cubin.write_bytes(kern.asm["cubin"])
-        sass = subprocess.run(["cuobjdump", "-sass", str(cubin)], capture_output=True, text=True).stdout
+        sass = sass_of(kern.asm["cubin"])
         (out / f"{name}.sass").write_text(sass)
-        cubin.unlink()
-        ops = {op: sass.count(op) for op in ("HGMMA", "HMMA", "LDG", "LDS", "STS", "LDSM", "SHFL", "PRMT", "BAR")}
-        print(f"{name}: regs={kern.n_regs} spills={kern.n_spills} smem={kern.metadata.shared} sass_ops={ops}", flush=True)
+        print(f"{name}: regs={kern.n_regs} spills={kern.n_spills} smem={kern.metadata.shared} "
+              f"loop={dict(mix(main_loop(sass)).most_common(16))}", flush=True)
+
+
+def main():
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    if "--sm90" in sys.argv:
+        import json
+
+        rows = probe_sm90(out)
+        (out / "summary.json").write_text(json.dumps(rows, indent=1))
+    else:
+        probe_gpu(out, "--once" in sys.argv)
 
 
 if __name__ == "__main__":

@@ -191,7 +191,7 @@ SWAP_CONFIGS = {  # BLOCK_M (the swapped MMA's N) -> the rest of the tile; BLOCK
     16: dict(BLOCK_N=64, num_warps=4, num_stages=4),
     32: dict(BLOCK_N=64, num_warps=4, num_stages=4),
     64: dict(BLOCK_N=64, num_warps=4, num_stages=4),
-    128: dict(BLOCK_N=64, num_warps=4, num_stages=3),
+    128: dict(BLOCK_N=64, num_warps=4, num_stages=3),  # 255 registers, no spill; 8 warps: 35 barriers per K step
 }
 FP4_BLOCK_K = 128  # the K order of every W4A4 config on the GPU (never per M)
 CONFIG_OVERRIDE: dict | None = None  # bench/gemm.py only: try other fixed configs
