@@ -47,7 +47,6 @@ _PTRS = dict(a_ptr="*u8", as_ptr="*u8", ags_ptr="*fp32", b_ptr="*u8", bs_ptr="*u
 def _source(kernel, constexprs: dict, scalars_one: tuple):
     """ASTSource for `kernel` with pointer args aligned to 16 and the int args divisible by 16, except
     those in `scalars_one` (strides that are 0 or 1)."""
-    from triton.backends.compiler import GPUTarget  # noqa: F401  (import check)
     from triton.compiler import ASTSource
 
     names = kernel.arg_names
@@ -98,41 +97,18 @@ _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\.
 
 
 def main_loop(sass: str) -> list[tuple[int, str]]:
-    """(address, opcode with suffixes) of the K loop: the longest span that a backward BRA closes."""
-    instrs, branches = [], []
+    """(address, opcode with suffixes) of the K loop: the longest span closed by a backward `BRA 0x...`
+    (cuobjdump prints branch targets as addresses)."""
+    instrs, spans = [], []
     for line in sass.splitlines():
         m = _INSTR.search(line)
         if not m:
             continue
-        addr, op = int(m.group(1), 16), m.group(3) + (m.group(4) or "")
-        instrs.append((addr, op))
-        t = re.search(r"BRA\s+(?:`?\(?\.?L_x_\d+\)?|0x([0-9a-f]+))", line)
-        if m.group(3) == "BRA" and t and t.group(1) and int(t.group(1), 16) < addr:
-            branches.append((int(t.group(1), 16), addr))
-        elif m.group(3) == "BRA":
-            lab = re.search(r"\.L_x_(\d+)", line)
-            if lab:
-                branches.append(("label", lab.group(0), addr))
-    labels = {}
-    for line in sass.splitlines():  # label definitions: ".L_x_3:" followed by the next instruction
-        lm = re.match(r"\s*(\.L_x_\d+):", line)
-        if lm:
-            labels[lm.group(1)] = None
-            pending = lm.group(1)
-            continue
-        m = _INSTR.search(line)
-        if m and labels and any(v is None for v in labels.values()):
-            for k_, v in labels.items():
-                if v is None:
-                    labels[k_] = int(m.group(1), 16)
-    spans = []
-    for b in branches:
-        if b[0] == "label":
-            tgt = labels.get(b[1])
-            if tgt is not None and tgt < b[2]:
-                spans.append((tgt, b[2]))
-        else:
-            spans.append(b)
+        addr = int(m.group(1), 16)
+        instrs.append((addr, m.group(3) + (m.group(4) or "")))
+        t = re.search(r"\bBRA\s+0x([0-9a-f]+)", line)
+        if m.group(3) == "BRA" and t and int(t.group(1), 16) < addr:
+            spans.append((int(t.group(1), 16), addr))
     if not spans:
         return []
     lo, hi = max(spans, key=lambda s: s[1] - s[0])
