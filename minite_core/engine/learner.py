@@ -34,7 +34,7 @@ class Learner:
         ids = torch.zeros(len(seqs), longest, dtype=torch.long, device=dev)
         for i, s in enumerate(seqs):
             ids[i, : len(s)] = torch.tensor(s, device=dev)
-        logits = self.model.logits(ids)
+        logits = self.model.logits(ids, logits_dtype=self.model.dtype)  # same values; the logprob ops upcast
         out, ent = [], []
         for i, (p, c) in enumerate(zip(prompts, completions)):
             rows = logits[i, len(p) - 1 : len(p) + len(c) - 1]

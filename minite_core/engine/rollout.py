@@ -127,7 +127,7 @@ class Request:
 
 
 class RolloutEngine:
-    PREFILL_TOKENS = 16384  # at most this many (padded) prompt tokens per prefill forward
+    PREFILL_TOKENS = 4096  # at most this many (padded) prompt tokens per prefill forward
 
     def __init__(self, model: Qwen3, *, max_slots: int = 16, max_seq_len: int | None = None,
                  cuda_graphs: bool | None = None):

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device session: the GPU tests of the kernels and engines, then the benchmarks, logs under $OUT.
+#   bash bench/gpu_session.sh [tests] [rollout] [learner] [attention] [gemm]   (default: all)
+# ROLLOUT_ARGS / LEARNER_ARGS override the benchmarks' arguments.
+set -u
+OUT=${OUT:-/tmp/minite-gpu}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+parts=${*:-tests rollout learner attention gemm}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
+git log --oneline -1 | tee -a "$OUT/device.txt"
+for p in $parts; do
+  t0=$(date +%s)
+  case $p in
+    tests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_ops.py tests/test_norm_kernels.py \
+             tests/test_row_kernels.py tests/test_grouped_gemm.py tests/test_sampler.py tests/test_rollout_fast.py \
+             tests/test_engines.py tests/test_consistency.py 2>&1 | tail -25 | tee "$OUT/tests.txt" ;;
+    rollout) timeout 420 python3 bench/rollout.py ${ROLLOUT_ARGS:---configs 0.6b --batches 16,64 --repeats 2} \
+             --json "$OUT/rollout.json" 2>&1 | tee "$OUT/rollout.txt" | tail -30 ;;
+    learner) timeout 300 python3 bench/learner.py ${LEARNER_ARGS:---attention invariant --steps 3} 2>&1 \
+             | tee "$OUT/learner.txt" | tail -30 ;;
+    attention) timeout 120 python3 bench/attention.py 2>&1 | tee "$OUT/attention.txt" | tail -20 ;;
+    gemm) timeout 240 python3 bench/gemm.py --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.txt" | tail -40 ;;
+  esac
+  echo "== $p: $(( $(date +%s) - t0 )) s"
+done
