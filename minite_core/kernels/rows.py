@@ -38,6 +38,8 @@ runs each program in numpy).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -75,8 +77,8 @@ def _rms_norm_fwd_kernel(X, W, Y, RSTD, R, N, sx, sy, nf, eps, ROWS: tl.constexp
 
 
 @triton.jit
-def _rms_norm_bwd_kernel(X, W, G, RSTD, DX, DW, R, N, sx, sg, sdx, nf,
-                         ROWS: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr):
+def _rms_norm_bwd_kernel(X, W, G, RSTD, DX, DW, R, N, sx, sg, sdx, nf, TILES,
+                         ROWS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     col_ok = cols < N
@@ -128,7 +130,9 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple
     return y.reshape(*x.shape[:-1], n), rstd
 
 
+@functools.lru_cache(maxsize=None)
 def _programs_cap(device: torch.device) -> int:
+    """Programs of the RMSNorm backward (each sums its rows' weight gradient): a few per SM."""
     if device.type == "cuda":
         return 4 * torch.cuda.get_device_properties(device).multi_processor_count
     return 8
@@ -146,7 +150,7 @@ def rms_norm_backward(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rs
     dw_part = torch.zeros(max(programs, 1), n, device=x.device, dtype=torch.float32)
     if r and n:
         _rms_norm_bwd_kernel[(programs,)](x2, weight.contiguous(), g2, rstd, dx, dw_part, r, n, x2.stride(0),
-                                          g2.stride(0), dx.stride(0), float(n), ROWS=rows, BLOCK=block, TILES=per,
+                                          g2.stride(0), dx.stride(0), float(n), per, ROWS=rows, BLOCK=block,
                                           num_warps=warps)
     dw = dw_part.sum(0).to(weight.dtype) if need_dw else None
     return dx.reshape(x.shape), dw

@@ -300,7 +300,8 @@ class Qwen3:
 
     __call__ = forward
 
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, V] of a [B, T] batch of full sequences (the same as model(input_ids))."""
-        return self.forward(input_ids)
+    def logits(self, input_ids: torch.Tensor, *, logits_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Logits [B, T, V] of a [B, T] batch of full sequences (the same as model(input_ids)).
+        `logits_dtype=self.dtype`: the same values without the fp32 copy (the log-softmax ops upcast)."""
+        return self.forward(input_ids, logits_dtype=logits_dtype)
 
