@@ -1,6 +1,7 @@
 """The Triton attention and log-sum-exp kernels (on the CPU under TRITON_INTERPRET=1, on the GPU when
-there is one): decode over a KV cache == prefill, bit for bit; independent of batch mates; close to the
-torch reference, SDPA and torch.log_softmax; gradients close to the fp32 autograd ones."""
+there is one): decode over a KV cache == prefill, bit for bit, at every chunk boundary, for any cache
+capacity, through either launch (split-KV or one program per tile); independent of batch mates; close
+to the torch reference, SDPA and torch.log_softmax; gradients close to the fp32 autograd ones."""
 import pytest
 import torch
 
@@ -14,37 +15,117 @@ def _rand(*shape, seed, device, dtype=torch.bfloat16):
 
 
 def _cfg():
+    """(BLOCK_M, BLOCK_N, SPLIT_N): tiny tiles and chunks of 2 blocks under the interpreter."""
     from minite_core.kernels.attention import attention_config
 
     return attention_config()
 
 
+def _fwd(q, k, v, pos, lens, split=None):
+    from minite_core.kernels.attention import attention_forward
+
+    return attention_forward(q, k, v, pos, lens, q.shape[-1] ** -0.5, split=split)
+
+
+def _qkv(b, hq, hkv, t, d, device, seed=1):
+    return (_rand(b, hq, t, d, seed=seed, device=device), _rand(b, hkv, t, d, seed=seed + 1, device=device),
+            _rand(b, hkv, t, d, seed=seed + 2, device=device))
+
+
+def _cache(k, v, cap, seed, stale=None):
+    """k, v written at the front of a cache of `cap` positions; the rest random (or `stale`)."""
+    b, hkv, t, d = k.shape
+    kc, vc = _rand(b, hkv, cap, d, seed=seed, device=k.device), _rand(b, hkv, cap, d, seed=seed + 1, device=k.device)
+    if stale is not None:
+        kc[:, :, t:], vc[:, :, t:] = stale, stale
+    kc[:, :, :t], vc[:, :, :t] = k, v
+    return kc, vc
+
+
 @pytest.mark.interpreter
-@pytest.mark.parametrize("t", [5, 37])
-def test_decode_equals_prefill_bitwise(device, t):
-    bm, bn = _cfg()
-    b, hq, hkv, d = 2, 4, 2, 16
-    q = _rand(b, hq, t, d, seed=1, device=device)
-    k = _rand(b, hkv, t, d, seed=2, device=device)
-    v = _rand(b, hkv, t, d, seed=3, device=device)
+@pytest.mark.parametrize("heads,extra", [((4, 2), "ragged"), ((4, 1), "chunks"), ((2, 2), "exact")],
+                         ids=["gqa2-ragged", "gqa4-chunks", "mha-exact"])
+def test_decode_equals_prefill_bitwise(device, heads, extra):
+    """One query over a KV cache (split launch: one program per chunk, then the combine) gives the bits
+    of the same query inside a causal prefill (one program per tile, chunks combined in registers), at
+    positions on both sides of every chunk boundary, for caches of several capacities."""
+    bm, bn, sn = _cfg()
+    hq, hkv = heads
+    b, d, t = 1, 16, 3 * sn + 5
+    q, k, v = _qkv(b, hq, hkv, t, d, device)
     pos = torch.arange(t, device=device).expand(b, t).contiguous()
     full = ops.attention(q, k, v, pos, torch.full((b,), t, device=device), backend="triton")
-    cap = t + 2 * bn + 3  # a cache longer than the valid part, stale values beyond it
-    kc = _rand(b, hkv, cap, d, seed=4, device=device)
-    vc = _rand(b, hkv, cap, d, seed=5, device=device)
-    kc[:, :, :t], vc[:, :, :t] = k, v
-    for p in sorted({0, 1, t // 2, t - 1}):
+    cap = {"exact": t, "ragged": t + 2 * bn + 3, "chunks": 5 * sn}[extra]
+    kc, vc = _cache(k, v, cap, seed=4)
+    for p in sorted({0, 1, sn - 1, sn, sn + 1, 2 * sn, 2 * sn + 1, t - 2, t - 1}):
         one = ops.attention(q[:, :, p:p + 1], kc, vc, torch.full((b, 1), p, device=device),
+                            torch.full((b,), p + 1, device=device), backend="triton")
+        assert torch.equal(one, full[:, :, p:p + 1]), p
+        if p in (sn, 2 * sn + 1, t - 1):  # a step of two queries (p - 1, p) over the cache: the same bits
+            two = ops.attention(q[:, :, p - 1:p + 1], kc, vc, torch.stack([pos[:, p - 1], pos[:, p]], 1),
+                                torch.full((b,), p + 1, device=device), backend="triton")
+            assert torch.equal(two, full[:, :, p - 1:p + 1]), p
+
+
+@pytest.mark.interpreter
+def test_decode_small_cache_single_chunk(device):
+    """A cache of one chunk runs the one-program launch (no split): still the prefill's bits."""
+    bm, bn, sn = _cfg()
+    b, hq, hkv, d, t = 1, 4, 2, 16, sn
+    q, k, v = _qkv(b, hq, hkv, t, d, device, seed=20)
+    pos = torch.arange(t, device=device).expand(b, t).contiguous()
+    full = ops.attention(q, k, v, pos, torch.full((b,), t, device=device), backend="triton")
+    for p in (0, bn - 1, bn, t - 1):
+        one = ops.attention(q[:, :, p:p + 1], k, v, torch.full((b, 1), p, device=device),
                             torch.full((b,), p + 1, device=device), backend="triton")
         assert torch.equal(one, full[:, :, p:p + 1]), p
 
 
 @pytest.mark.interpreter
+def test_split_and_tile_launches_agree(device):
+    """The same call through both launches, forced: a whole prefill split into per-chunk programs, and a
+    decode step walked by one program, give identical bits (the tile rows straddle query heads: t is not
+    a multiple of BLOCK_M)."""
+    bm, bn, sn = _cfg()
+    b, hq, hkv, d, t = 2, 4, 2, 16, 2 * sn + 3
+    q, k, v = _qkv(b, hq, hkv, t, d, device, seed=30)
+    pos = torch.arange(t, device=device).expand(b, t).contiguous()
+    lens = torch.tensor([t, sn + 2], device=device)
+    tile = _fwd(q, k, v, pos, lens, split=False)
+    assert torch.equal(_fwd(q, k, v, pos, lens, split=True), tile)
+    p = t - 1
+    one = [_fwd(q[:, :, p:p + 1], k, v, pos[:, p:p + 1], lens, split=s) for s in (False, True)]
+    assert torch.equal(one[0], one[1])
+    assert torch.equal(one[0], tile[:, :, p:p + 1])
+
+
+@pytest.mark.interpreter
+def test_decode_batch_invariant(device):
+    """A decode step of a batch of sequences at different lengths: each row's bits equal that sequence
+    decoded alone, and the prefill's."""
+    bm, bn, sn = _cfg()
+    b, hq, hkv, d, t = 3, 4, 2, 16, 2 * sn + 9
+    q, k, v = _qkv(b, hq, hkv, t, d, device, seed=40)
+    kc, vc = _cache(k, v, t + sn + 1, seed=44)
+    at = torch.tensor([t - 1, sn, 3], device=device)  # each sequence's current position
+    qd = q[torch.arange(b), :, at].unsqueeze(2)  # [B, Hq, 1, D]
+    batch = ops.attention(qd, kc, vc, at.view(b, 1), at + 1, backend="triton")
+    pos = torch.arange(t, device=device).expand(b, t).contiguous()
+    full = ops.attention(q, k, v, pos, torch.full((b,), t, device=device), backend="triton")
+    for i in range(b):
+        alone = ops.attention(qd[i:i + 1], kc[i:i + 1], vc[i:i + 1], at[i:i + 1].view(1, 1), at[i:i + 1] + 1,
+                              backend="triton")
+        assert torch.equal(alone, batch[i:i + 1]), i
+        assert torch.equal(batch[i, :, 0], full[i, :, at[i]]), i
+
+
+@pytest.mark.interpreter
 def test_batch_invariant_and_close_to_reference(device):
-    b, hq, hkv, t, d = 3, 4, 1, 21, 16
+    b, hq, hkv, d = 3, 4, 1, 16
+    t = 2 * _cfg()[2] + 7  # several chunks
     q, k, v = (_rand(b, h, t, d, seed=s, device=device) for s, h in ((6, hq), (7, hkv), (8, hkv)))
     pos = torch.arange(t, device=device).expand(b, t).contiguous()
-    lens = torch.tensor([t, 9, 14], device=device)  # right-padded batch mates
+    lens = torch.tensor([t, 9, t - 5], device=device)  # right-padded batch mates
     got = ops.attention(q, k, v, pos, lens, backend="triton")
     alone = ops.attention(q[1:2, :, :9], k[1:2, :, :9], v[1:2, :, :9], pos[1:2, :9], lens[1:2], backend="triton")
     assert torch.equal(alone, got[1:2, :, :9])
@@ -53,6 +134,52 @@ def test_batch_invariant_and_close_to_reference(device):
     tol = 2e-2 if device == "cuda" else 1e-5
     for i, n in enumerate(lens.tolist()):
         assert torch.allclose(got[i, :, :n], ref[i, :, :n], rtol=tol, atol=tol), (got[i, :, :n] - ref[i, :, :n]).abs().max()
+    one = ops.attention(q[:, :, t - 1:], k, v, pos[:, t - 1:], lens, backend="triton")  # the split launch
+    ref1 = ops.attention(q[:, :, t - 1:].float(), k.float(), v.float(), pos[:, t - 1:], lens, backend="torch")
+    assert torch.allclose(one, ref1, rtol=tol, atol=tol), (one - ref1).abs().max()
+
+
+@pytest.mark.interpreter
+def test_kv_len_clamped_stale_ignored_and_empty_rows(device):
+    """kv_len beyond the cache reads only the cache; NaN beyond kv_len never enters a sum; a query with
+    no valid key (kv_len 0, or a padding position -1) gives 0, through both launches."""
+    bm, bn, sn = _cfg()
+    b, hq, hkv, d, t = 2, 4, 2, 16, 2 * sn + 3
+    q, k, v = _qkv(b, hq, hkv, t, d, device, seed=50)
+    q1 = q[:, :, -1:]
+    p = torch.full((b, 1), t - 1, device=device)
+    ref = ops.attention(q1, k, v, p, torch.full((b,), t, device=device), backend="triton")
+    over = ops.attention(q1, k, v, p + 40, torch.full((b,), t + 40, device=device), backend="triton")
+    assert torch.equal(over, ref)
+    kc, vc = _cache(k, v, t + sn + 5, seed=54, stale=float("nan"))
+    assert torch.equal(ops.attention(q1, kc, vc, p, torch.full((b,), t, device=device), backend="triton"), ref)
+    for split in (False, True):
+        empty = _fwd(q1, k, v, p, torch.tensor([0, t], device=device), split=split)
+        assert torch.equal(empty[0], torch.zeros_like(empty[0])) and torch.equal(empty[1], ref[1])
+        pad = _fwd(q1, k, v, torch.tensor([[-1], [t - 1]], device=device), torch.full((b,), t, device=device), split=split)
+        assert torch.equal(pad[0], torch.zeros_like(pad[0])) and torch.equal(pad[1], ref[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_one_binary_and_model_shape():
+    """On the GPU: Qwen3 attention shape (16/8 heads, head_dim 128, bf16), decode over a 2048-key cache ==
+    prefill bitwise at the chunk boundaries; and the prefill and decode launches ran one compiled
+    binary of the attention kernel (no value specialization between them)."""
+    from minite_core.kernels import attention as A
+
+    bm, bn, sn = _cfg()
+    b, hq, hkv, d, t = 2, 16, 8, 128, 2 * sn + 77
+    q, k, v = _qkv(b, hq, hkv, t, d, "cuda", seed=60)
+    pos = torch.arange(t, device="cuda").expand(b, t).contiguous()
+    full = ops.attention(q, k, v, pos, torch.full((b,), t, device="cuda"), backend="triton")
+    kc, vc = _cache(k, v, 2048, seed=64)
+    for p in (0, bn - 1, bn, sn - 1, sn, sn + 1, 2 * sn, t - 1):
+        one = ops.attention(q[:, :, p:p + 1], kc, vc, torch.full((b, 1), p, device="cuda"),
+                            torch.full((b,), p + 1, device="cuda"), backend="triton")
+        assert torch.equal(one, full[:, :, p:p + 1]), p
+    kernels = A._attention_kernel.device_caches[torch.cuda.current_device()][0]
+    assert len(kernels) == 1, list(kernels)
 
 
 @pytest.mark.interpreter

@@ -1,19 +1,43 @@
 """Causal GQA attention (Triton) with one reduction order for prefill, training and decode.
 
-One kernel serves all three. A program owns BLOCK_M query rows of one (batch, query head) and walks the
-keys from 0 in fixed blocks of BLOCK_N, with an online softmax (running max m, running sum l, running
-output acc, all fp32): per block, s = q k^T * scale (fp32 accumulation), keys after the query's position
-or beyond the valid length masked to -inf, then m' = max(m, max s), p = exp(s - m'),
-l = l * exp(m - m') + sum p, acc = acc * exp(m - m') + p v. The output is acc / l (fp32).
+Every query row reduces over its keys in the same fixed pieces, in the same order, with the same
+floating-point operations, whatever the call (prefill, training forward, decode over a KV cache of any
+capacity, any batch):
 
-Why prefill == decode, bit for bit: a query at position p sees the same key blocks [0, BLOCK_N), ...
-in the same order whether it sits in a prefill tile with other queries or alone in a decode step over a
-KV cache of any capacity. The tile shape is fixed (a decode step pads its one query to BLOCK_M rows),
-so every product and every per-row reduction is the same instruction on the same operands, and row r's
-values never mix with other rows. A prefill tile may walk further than a given row needs (up to its
-last row's position): for that row those blocks are fully masked, so m' = m, exp(m - m') = 1, p = 0, and
-the update leaves l and acc exactly as they were. Keys at or beyond the valid length are loaded as
-zeros, so stale cache contents never enter a sum.
+- Keys are cut into chunks of SPLIT_N keys, [0, SPLIT_N), [SPLIT_N, 2 SPLIT_N), ... (SPLIT_N a fixed
+  multiple of BLOCK_N; `attention_config`), and each chunk into blocks of BLOCK_N keys.
+- Chunk partial (m_c, l_c, acc_c), all fp32: an online softmax over the chunk's blocks in order, from
+  (m, l, acc) = (-inf, 0, 0): s = q k^T * scale (fp32 accumulation), keys after the query's position or
+  at/beyond the valid length masked to -inf, m' = max(m, max s), p = exp(s - m'), alpha = exp(m - m'),
+  l' = fma(l, alpha, sum p), acc' = p v accumulated onto acc * alpha.
+- Combine, chunk 0, 1, 2, ... left to right from the empty state (M, L, A) = (-inf, 0, 0):
+  M' = max(M, m_c), a = exp(M - M'), c = exp(m_c - M'), L' = fma(l_c, c, L * a),
+  A' = fma(acc_c, c, A * a); the first chunk is taken as is. The output is A / L (0 when L = 0).
+- A block or a chunk in which a row has no valid key leaves that row's state exactly as it was (a
+  select, not arithmetic: no -inf - -inf, no sign-of-zero change), so walking further than a row needs
+  changes nothing for that row. A row's valid keys are a prefix [0, min(pos + 1, kv_len)), so every
+  path sees the same non-empty blocks and chunks for it, in the same order.
+
+One kernel (`_attention_kernel`) computes the chunk partials and combines them in registers; two
+launch shapes use it:
+
+- prefill (many query rows): grid (B * Hkv, query tiles, 1); a program walks all the chunks its tile
+  needs and writes the normalized output.
+- split (decode: all query rows of one KV head fit one tile): grid (B * Hkv, 1, cdiv(Tk, SPLIT_N));
+  program c computes chunk c only (programs past a row's keys write the empty state) and stores its
+  (m, l, acc) in fp32 scratch; `_combine_kernel` then combines the chunks 0, 1, ... with the same
+  `_combine` and `_finish`. fp32 scratch stores are exact, so the bits equal the prefill's. The number
+  of chunks comes from the cache capacity (a shape), never from kv_len values: no host sync, so a decode
+  step can be captured in a CUDA graph.
+
+Tile rows: a tile holds BLOCK_M rows of one (sequence, KV head): row g is query position g // REP of
+query head kvh * REP + g % REP (the GQA heads sharing the KV head packed together, so the K/V tiles are
+read once per KV head). The tile shape, warps and dtypes are the same in both launch shapes (a decode
+step pads its few rows to BLOCK_M), and each row's products and reductions are the same instructions on
+the same operands; rows never mix. Keys at or beyond the valid length are loaded as zeros, so stale
+cache contents never enter a sum. The kernels are compiled with fp fusion off (every mul and add rounds
+on its own unless written as an explicit fma), so no compiler choice can differ between them; integer
+sizes are not value-specialized, so prefill and decode run one binary of `_attention_kernel`.
 
 The learner's backward recomputes the same attention with torch SDPA (the flash / memory-efficient
 kernels) and differentiates that: only the forward must match the rollout, and the backward of a
@@ -30,30 +54,73 @@ import triton.language as tl
 
 from .gemm import interpreting
 
+NUM_WARPS = 4  # the same for every launch of _attention_kernel (it fixes the tile's register layout)
 
-@triton.jit
+
+def _helper(fn):
+    """A device function inlined into both kernels; under the interpreter a plain Python function (the
+    interpreter re-patches the language on every call of a jitted helper, which dominates its time)."""
+    return fn if interpreting() else triton.jit(fn)
+
+
+@_helper
+def _combine(m, l, acc, mc, lc, accc):
+    """Fold the chunk partial (mc, lc, accc) into the running (m, l, acc), per row. A chunk with no valid
+    key (mc = -inf) leaves the state as it was; into the empty state (m = -inf) the chunk is taken as is."""
+    skip = mc == float("-inf")
+    take = m == float("-inf")
+    m_new = tl.maximum(m, mc)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.exp(m - m_safe)
+    c = tl.exp(mc - m_safe)
+    l_new = tl.fma(lc, c, l * a)
+    acc_new = tl.fma(accc, c[:, None], acc * a[:, None])
+    m_out = tl.where(skip, m, m_new)
+    l_out = tl.where(skip, l, tl.where(take, lc, l_new))
+    acc_out = tl.where(skip[:, None], acc, tl.where(take[:, None], accc, acc_new))
+    return m_out, l_out, acc_out
+
+
+@_helper
+def _finish(l, acc):
+    """acc / l per row; 0 for a row with no valid key."""
+    return tl.where(l[:, None] > 0, acc / tl.where(l > 0, l, 1.0)[:, None], 0.0)
+
+
+@triton.jit(do_not_specialize=["HKV", "REP", "TQ", "TK", "NSPLIT", "CPS"])
 def _attention_kernel(
-    Q, K, V, O, QPOS, KVLEN,
+    Q, K, V, O, MS, LS, ACCS, QPOS, KVLEN,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, spb,
-    scale, HQ, REP, TQ, TK,
-    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_BY_SUM: tl.constexpr, IEEE: tl.constexpr,
+    scale, HKV, REP, TQ, TK, NSPLIT, CPS,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
+    DOT_BY_SUM: tl.constexpr, IEEE: tl.constexpr,
 ):
-    bh = tl.program_id(0)
-    b = bh // HQ
-    h = bh % HQ
-    kvh = h // REP
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < TQ
+    bk = tl.program_id(0)
+    b = bk // HKV
+    kvh = bk % HKV
+    G = REP * TQ  # query rows of this (sequence, KV head)
+    tile = tl.cdiv(G, BLOCK_M) - 1 - tl.program_id(1)  # latest positions (most keys) first
+    split = tl.program_id(2)
+    g = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = g < G
+    t = g // REP
+    h = kvh * REP + g % REP
     d = tl.arange(0, D)
-    pos = tl.load(QPOS + b * spb + rows, mask=row_ok, other=-1)
+    pos = tl.load(QPOS + b * spb + t, mask=row_ok, other=-1)
     kv_len = tl.minimum(tl.load(KVLEN + b), TK)  # never read past the cache, whatever the caller says
-    q = tl.load(Q + b * sqb + h * sqh + rows[:, None] * sqt + d[None, :], mask=row_ok[:, None], other=0.0)
-    hi = tl.minimum(tl.max(pos, axis=0) + 1, kv_len)  # keys this tile needs: up to its last query's position
+    q = tl.load(Q + b * sqb + h[:, None] * sqh + t[:, None] * sqt + d[None, :], mask=row_ok[:, None], other=0.0)
+    hi = tl.maximum(tl.minimum(tl.max(pos, axis=0) + 1, kv_len), 0)  # keys this tile needs
+    c_lo = split * CPS
+    c_hi = tl.minimum(c_lo + CPS, tl.cdiv(hi, SPLIT_N))  # this program's chunks: [c_lo, c_hi)
+    end = tl.minimum(c_hi * SPLIT_N, hi)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # the combined chunks
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for start in range(0, hi, BLOCK_N):
+    m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)  # the current chunk
+    l_c = tl.zeros([BLOCK_M], tl.float32)
+    acc_c = tl.zeros([BLOCK_M, D], tl.float32)
+    for start in range(c_lo * SPLIT_N, end, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < kv_len
         k = tl.load(K + b * skb + kvh * skh + cols[:, None] * skt + d[None, :], mask=col_ok[:, None], other=0.0)
@@ -67,31 +134,78 @@ def _attention_kernel(
         s = s * scale
         valid = (cols[None, :] <= pos[:, None]) & col_ok[None, :]
         s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no valid key yet (padding rows)
+        m_blk = tl.max(s, axis=1)
+        m_new = tl.maximum(m_c, m_blk)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        alpha = tl.exp(m_c - m_safe)
+        l_new = tl.fma(l_c, alpha, tl.sum(p, axis=1))
         if DOT_BY_SUM:
-            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            acc_new = tl.fma(acc_c, alpha[:, None], tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1))
         elif IEEE:
-            pv = tl.dot(p, v, input_precision="ieee")
+            acc_new = tl.dot(p, v, acc_c * alpha[:, None], input_precision="ieee")
         else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-    tl.store(O + b * sob + h * soh + rows[:, None] * sot + d[None, :], out, mask=row_ok[:, None])
+            acc_new = tl.dot(p.to(v.dtype), v, acc_c * alpha[:, None])
+        skip = m_blk == float("-inf")  # no valid key in this block for the row: keep its state exactly
+        m_c = tl.where(skip, m_c, m_new)
+        l_c = tl.where(skip, l_c, l_new)
+        acc_c = tl.where(skip[:, None], acc_c, acc_new)
+        nxt = start + BLOCK_N
+        if (nxt % SPLIT_N == 0) | (nxt >= end):  # the chunk ends here: fold it in, start the next one empty
+            m_i, l_i, acc = _combine(m_i, l_i, acc, m_c, l_c, acc_c)
+            m_c = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_c = tl.zeros([BLOCK_M], tl.float32)
+            acc_c = tl.zeros([BLOCK_M, D], tl.float32)
+    if NSPLIT == 1:
+        out = _finish(l_i, acc)
+        tl.store(O + b * sob + h[:, None] * soh + t[:, None] * sot + d[None, :], out, mask=row_ok[:, None])
+    else:  # this program's chunk partial, exact in fp32; _combine_kernel folds the chunks in order
+        r = (bk * NSPLIT + split) * G + g
+        tl.store(MS + r, m_i, mask=row_ok)
+        tl.store(LS + r, l_i, mask=row_ok)
+        tl.store(ACCS + r[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
 
 
-def attention_config() -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): fixed, the same for every call (prefill, decode, any batch)."""
-    return (16, 16) if interpreting() else (64, 64)
+@triton.jit(do_not_specialize=["HKV", "REP", "TQ", "NSPLIT"])
+def _combine_kernel(
+    O, MS, LS, ACCS, sob, soh, sot, HKV, REP, TQ, NSPLIT,
+    D: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    bk = tl.program_id(0)
+    b = bk // HKV
+    kvh = bk % HKV
+    G = REP * TQ
+    g = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = g < G
+    d = tl.arange(0, D)
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, D], tl.float32)
+    for c in range(0, NSPLIT):
+        r = (bk * NSPLIT + c) * G + g
+        m_c = tl.load(MS + r, mask=row_ok, other=float("-inf"))
+        l_c = tl.load(LS + r, mask=row_ok, other=0.0)
+        acc_c = tl.load(ACCS + r[:, None] * D + d[None, :], mask=(row_ok & (m_c > float("-inf")))[:, None], other=0.0)
+        m_i, l_i, acc = _combine(m_i, l_i, acc, m_c, l_c, acc_c)
+    out = _finish(l_i, acc)
+    h = kvh * REP + g % REP
+    t = g // REP
+    tl.store(O + b * sob + h[:, None] * soh + t[:, None] * sot + d[None, :], out, mask=row_ok[:, None])
+
+
+def attention_config() -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, SPLIT_N): fixed, the same for every call (prefill, decode, any batch). SPLIT_N,
+    the keys per chunk, is a multiple of BLOCK_N; changing any of them changes the bits of every path
+    alike (rollout and learner must run the same values)."""
+    return (16, 8, 16) if interpreting() else (64, 64, 256)
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] (a cache may be longer than kv_len), q_pos [B, Tq], kv_len [B] -> fp32 [B, Hq, Tq, D]."""
+                      scale: float, *, split: bool | None = None) -> torch.Tensor:
+    """q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] (a cache may be longer than kv_len), q_pos [B, Tq], kv_len [B] -> fp32 [B, Hq, Tq, D].
+
+    `split`: None picks the split (decode) launch when all Hq/Hkv * Tq query rows of a KV head fit one
+    tile, the prefill launch otherwise; True / False force one. The bits are the same either way."""
     b, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     if d & (d - 1) or d < 16:
@@ -102,16 +216,38 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     q_pos = q_pos.to(torch.int32).contiguous()
     kv_len = kv_len.to(torch.int32).contiguous()
     out = torch.empty(b, hq, tq, d, device=q.device, dtype=torch.float32)
-    bm, bn = attention_config()
-    grid = (b * hq, triton.cdiv(tq, bm))
+    if out.numel() == 0:
+        return out
+    bm, bn, sn = attention_config()
+    rep = hq // hkv
+    rows = rep * tq  # query rows per (sequence, KV head)
+    tiles = triton.cdiv(rows, bm)
+    chunks = max(triton.cdiv(tk, sn), 1)  # from the cache capacity: a shape, not kv_len's values
+    if split is None:
+        split = tiles == 1
+    nsplit = chunks if split else 1
+    if nsplit > 1:
+        ms = torch.empty(b * hkv * nsplit * rows, device=q.device, dtype=torch.float32)
+        ls = torch.empty_like(ms)
+        accs = torch.empty(b * hkv * nsplit * rows * d, device=q.device, dtype=torch.float32)
+        grid, cps = (b * hkv, tiles, nsplit), 1
+    else:
+        ms = ls = accs = out  # not written
+        grid, cps = (b * hkv, tiles, 1), chunks
     _attention_kernel[grid](
-        q, k, v, out, q_pos, kv_len,
+        q, k, v, out, ms, ls, accs, q_pos, kv_len,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), q_pos.stride(0),
-        float(scale), hq, hq // hkv, tq, tk,
-        D=d, BLOCK_M=bm, BLOCK_N=bn, DOT_BY_SUM=interpreting(), IEEE=q.dtype == torch.float32,
-        num_warps=4,
+        float(scale), hkv, rep, tq, tk, nsplit, cps,
+        D=d, BLOCK_M=bm, BLOCK_N=bn, SPLIT_N=sn, DOT_BY_SUM=interpreting(), IEEE=q.dtype == torch.float32,
+        num_warps=NUM_WARPS, enable_fp_fusion=False,
     )
+    if nsplit > 1:
+        br = 16
+        _combine_kernel[(b * hkv, triton.cdiv(rows, br))](
+            out, ms, ls, accs, out.stride(0), out.stride(1), out.stride(2), hkv, rep, tq, nsplit,
+            D=d, BLOCK_R=br, num_warps=4, enable_fp_fusion=False,
+        )
     return out
 
 
