@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu if HAS_CUDA else pytest.mark.interpreter,
 
 if HAS_TRITON:
     from minite_core.kernels import grouped_gemm as gg
-    from minite_core.kernels.gemm import gemm_triton
+    from minite_core.kernels.gemm import SWAP_CONFIGS, gemm_triton
 
 
 def _rand(*shape, seed=0):
@@ -81,7 +81,8 @@ def test_grouped_bits_do_not_depend_on_the_tile(block_m):
     w = gg.stack_experts(experts)
     srt = gg.moe_sort(_routing(t, e, topk, seed=5), e)
     xq = nvfp4.quantize(_rand(t, k, seed=6)[srt.tokens])
-    gg.CONFIG_OVERRIDE = dict(BLOCK_M=block_m)
+    # on the GPU also the rest of the swapped tile chosen for that BLOCK_M by the dense kernel
+    gg.CONFIG_OVERRIDE = dict(BLOCK_M=block_m, **({} if DEVICE == "cpu" else SWAP_CONFIGS[block_m]))
     try:
         out = gg.grouped_gemm(xq, w, srt.offsets, torch.float32)
     finally:
@@ -171,10 +172,11 @@ def test_grouped_is_sync_free_and_graph_capturable():
     x = _rand(t, k, seed=12)
     srt = gg.moe_sort(_routing(t, e, topk, seed=13), e)
     xq = nvfp4.quantize(x[srt.tokens])
+    top = _routing(t, e, topk, seed=13)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any host sync in moe_sort or the launcher raises
     try:
-        gg.moe_sort(_routing(t, e, topk, seed=13), e)
+        gg.moe_sort(top, e)
         gg.grouped_gemm(xq, w, srt.offsets, torch.bfloat16)
     finally:
         torch.cuda.set_sync_debug_mode("default")
