@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import make_config  # noqa: E402
+from bench.common import cuda_time, make_config  # noqa: E402
 from minite_core.engine import RolloutEngine, SamplingParams  # noqa: E402
 from minite_core.model import load_model  # noqa: E402
 from minite_core.model.random_init import random_checkpoint  # noqa: E402
@@ -80,6 +80,27 @@ def measure(run, repeats: int) -> tuple[float, int]:
     return statistics.median(times), tokens
 
 
+def profile(args) -> None:
+    """Where a generate() of the first config / batch spends CPU and GPU time (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile as prof
+    name, batch = args.configs.split(",")[0], int(args.batches.split(",")[0])
+    cfg = make_config(name, args.prompt + args.new + 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = random_checkpoint(Path(tmp) / "model", cfg)
+        for precision in ("nvfp4", "bf16"):
+            run, _ = minite_runner(path, precision, {}, batch, args.prompt, args.new)
+            run(0)
+            wall = cuda_time(lambda: run(1))
+            with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+                run(2)
+                torch.cuda.synchronize()
+            ev = p.key_averages()
+            gpu = sum(e.self_device_time_total for e in ev) / 1e6
+            print(f"--- minite-{precision} {name} b{batch}: wall {wall:.3f} s unprofiled; GPU busy {gpu:.3f} s profiled")
+            print(ev.table(sort_by="self_device_time_total", row_limit=16, max_name_column_width=50))
+            print(ev.table(sort_by="self_cpu_time_total", row_limit=16, max_name_column_width=50))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="0.6b,1.7b,moe")
@@ -90,10 +111,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget", type=float, default=1e9, help="seconds: skip the remaining runs after this")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--profile", action="store_true", help="profile one minite-nvfp4 run of the first config and batch")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/rollout.py needs a CUDA device")
     start = time.perf_counter()
+    if args.profile:
+        return profile(args)
     rows = []
     for name in args.configs.split(","):
         cfg = make_config(name, args.prompt + args.new + 1)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from minite_core.engine.sampler import mix32, noise_key, sample_batch, sample_reference, uniform_reference
+from minite_core.engine.sampler import mix32, noise_key, sample_batch, sample_reference, seed_key, uniform_reference
 
 from conftest import backend_params
 
@@ -27,13 +27,14 @@ def test_mix32_matches_uint32_arithmetic():
     xs = torch.randint(0, 2**32, (1000,), generator=g, dtype=torch.int64)
     xs = torch.cat([xs, torch.tensor([0, 1, 2**31, 2**32 - 1])])
     assert mix32(xs).tolist() == [ref(int(x)) for x in xs]
-    assert noise_key(5, 3) != noise_key(5, 4) != noise_key(6, 3)
+    assert noise_key(seed_key(5), 3) != noise_key(seed_key(5), 4) != noise_key(seed_key(6), 3)
+    assert seed_key(2**62 + 1) != seed_key(1)
 
 
 def test_kernel_uniforms_equal_reference_bitwise():
     from minite_core.kernels.sample import uniform_triton
 
-    keys = torch.tensor([noise_key(s, i) for s in (0, 1, 2**62 + 7) for i in (0, 1, 1000)], device=_device())
+    keys = torch.tensor([noise_key(seed_key(s), i) for s in (0, 1, 2**62 + 7) for i in (0, 1, 1000)], device=_device())
     u = uniform_triton(keys, 333)
     ref = uniform_reference(keys, 333)
     assert torch.equal(u, ref)
@@ -41,7 +42,7 @@ def test_kernel_uniforms_equal_reference_bitwise():
 
 
 def _rows(n, temp=1.0, top_k=0, top_p=1.0, seed=0):
-    return [(temp, top_k, top_p, noise_key(seed + i, 7)) for i in range(n)]
+    return [(temp, top_k, top_p, seed_key(seed + i), 7) for i in range(n)]
 
 
 def test_kernel_tokens_equal_reference():
@@ -49,13 +50,14 @@ def test_kernel_tokens_equal_reference():
 
     g = torch.Generator().manual_seed(1)
     logits = (torch.randn(9, 301, generator=g) * 3).to(_device())
-    keys = torch.tensor([noise_key(i, 0) for i in range(9)], device=_device())
+    keys = torch.tensor([seed_key(i) for i in range(9)], device=_device())
+    counters = torch.arange(9, device=_device()) * 3
     temp = torch.tensor([1.0, 0.7, 2.0] * 3, device=_device())
     thr = torch.full((9,), float("-inf"), device=_device())
     thr[4] = float(logits[4].sort(descending=True).values[5] / 0.7)  # top-6 on row 4
     greedy = torch.tensor([False] * 8 + [True], device=_device())
-    a = sample_triton(logits, keys, temp, thr, greedy)
-    b = sample_reference(logits, keys, temp, thr, greedy)
+    a = sample_triton(logits, keys, counters, temp, thr, greedy)
+    b = sample_reference(logits, keys, counters, temp, thr, greedy)
     assert torch.equal(a, b)
     assert int(a[8]) == int(torch.argmax(logits[8]))
     assert float(logits[4, a[4]] / 0.7) >= float(thr[4])
@@ -81,7 +83,7 @@ def test_draws_follow_the_softmax(backend):
 def test_a_row_does_not_depend_on_its_batch(backend):
     g = torch.Generator().manual_seed(2)
     logits = (torch.randn(13, 211, generator=g) * 2).to(_device())
-    rows = [(t, k, p, noise_key(i, 3)) for i, (t, k, p) in enumerate(
+    rows = [(t, k, p, seed_key(i), 3) for i, (t, k, p) in enumerate(
         [(1.0, 0, 1.0), (0.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (1.0, 20, 0.9)] * 2 + [(1.0, 0, 1.0)] * 3)]
     tok_all, lp_all = sample_batch(logits, rows, backend)
     for i in (0, 1, 2, 3, 4, 12):
@@ -114,6 +116,6 @@ def test_top_k_and_top_p_restrict_the_draw(backend):
 def test_greedy_ties_take_the_smallest_id(backend):
     logits = torch.zeros(3, 100, device=_device())
     logits[:, [17, 40, 99]] = 5.0
-    tok, lp = sample_batch(logits, [(0.0, 0, 1.0, 1), (0.0, 0, 1.0, 2), (0.0, 0, 1.0, 3)], backend)
+    tok, lp = sample_batch(logits, [(0.0, 0, 1.0, 1, 0), (0.0, 0, 1.0, 2, 0), (0.0, 0, 1.0, 3, 0)], backend)
     assert tok.tolist() == [17, 17, 17]
     assert math.isclose(float(lp[0]), 5.0 - math.log(3 * math.exp(5.0) + 97), abs_tol=1e-5)

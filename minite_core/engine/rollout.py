@@ -37,7 +37,7 @@ import torch
 
 from ..model.qwen3 import KVCache, Qwen3
 from .graphs import DecodeGraphs
-from .sampler import noise_key, sample_batch
+from .sampler import sample_batch, seed_key
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
 
@@ -93,6 +93,7 @@ class _Seq:
     seed: int
     request: "Request"
     sample_index: int
+    seed_key: int = 0
     tokens: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
     slot: int = -1
@@ -122,7 +123,7 @@ class Request:
         return all(q.finish for q in self.seqs)
 
     def completions(self) -> list[Completion]:
-        return [Completion(self.prompt, q.tokens, torch.stack(q.logprobs) if q.logprobs else torch.zeros(0),
+        return [Completion(self.prompt, q.tokens, torch.tensor(q.logprobs, dtype=torch.float32),
                            q.finish, self.version, self.index, q.sample_index) for q in self.seqs]
 
 
@@ -138,7 +139,7 @@ class RolloutEngine:
         # one cache row more than slots: the scratch row the padding rows of a graph bucket write to
         self.cache = KVCache(model.cfg, max_slots + 1, self.max_seq_len, model.dtype, model.device)
         if cuda_graphs is None:
-            cuda_graphs = model.device.type == "cuda" and not model.knobs and not model.cfg.num_experts
+            cuda_graphs = model.device.type == "cuda" and not model.cfg.num_experts
         if cuda_graphs and model.device.type != "cuda":
             raise ValueError("cuda_graphs needs the model on a CUDA device")
         self.graphs = DecodeGraphs(model, self.cache, max_slots, scratch_slot=max_slots) if cuda_graphs else None
@@ -202,7 +203,8 @@ class RolloutEngine:
         req = Request(index, prompt, params, self._version, self.model.w, on_token, on_done)
         for s in range(params.n):
             seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31, ()))
-            req.seqs.append(_Seq(prompt, params, (seed * 1_000_003 + s) % 2**63, req, s))
+            q_seed = (seed * 1_000_003 + s) % 2**63
+            req.seqs.append(_Seq(prompt, params, q_seed, req, s, seed_key(q_seed)))
         self.waiting.extend(req.seqs)
         return req
 
@@ -249,14 +251,13 @@ class RolloutEngine:
     # -- the scheduler --------------------------------------------------------------------------
     def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
         """Draw every sequence's next token from its logits row [len(seqs), V] (one host sync), append it."""
-        rows = [(q.params.temperature, q.params.top_k, q.params.top_p, noise_key(q.seed, len(q.tokens))) for q in seqs]
+        rows = [(q.params.temperature, q.params.top_k, q.params.top_p, q.seed_key, len(q.tokens)) for q in seqs]
         tokens, logprobs = sample_batch(logits, rows, self.model.backend)
-        toks = tokens.tolist()
-        lps = logprobs.cpu()
-        for j, q in enumerate(seqs):
-            self._append(q, toks[j], lps[j])
+        both = torch.stack([tokens.double(), logprobs.double()]).tolist()  # one sync; fp32 -> fp64 is exact
+        for q, tok, lp in zip(seqs, both[0], both[1]):
+            self._append(q, int(tok), lp)
 
-    def _append(self, seq: _Seq, tok: int, lp: torch.Tensor) -> None:
+    def _append(self, seq: _Seq, tok: int, lp: float) -> None:
         seq.tokens.append(tok)
         seq.logprobs.append(lp)
         if tok in seq.params.stop_token_ids:
@@ -264,7 +265,7 @@ class RolloutEngine:
         elif len(seq.tokens) >= seq.params.max_tokens or len(seq.prompt) + len(seq.tokens) >= self.max_seq_len:
             seq.finish = FINISH_LENGTH
         if seq.request.on_token is not None:
-            seq.request.on_token(seq.sample_index, tok, float(lp), seq.finish)
+            seq.request.on_token(seq.sample_index, tok, lp, seq.finish)
 
     def _reap(self) -> None:
         """Retire finished sequences: free their slots; call on_done for each request now complete."""

@@ -34,10 +34,14 @@ def mix32(x):
     return x ^ (x >> 16)
 
 
-def noise_key(seed: int, index: int) -> int:
-    """The 32-bit noise key of the `index`-th token drawn for a sequence seeded with `seed` (< 2^63)."""
-    k = mix32((seed & M32) ^ mix32(((seed >> 32) ^ GOLDEN) & M32))
-    return mix32(k ^ (index & M32))
+def seed_key(seed: int) -> int:
+    """A sequence's 32-bit seed key, from its seed (< 2^63)."""
+    return mix32((seed & M32) ^ mix32(((seed >> 32) ^ GOLDEN) & M32))
+
+
+def noise_key(seed_k, index):
+    """The noise key of the `index`-th token drawn for a sequence with seed key `seed_k` (ints or int64 tensors)."""
+    return mix32(seed_k ^ (index & M32))
 
 
 def uniform_reference(keys: torch.Tensor, v: int) -> torch.Tensor:
@@ -47,9 +51,10 @@ def uniform_reference(keys: torch.Tensor, v: int) -> torch.Tensor:
     return ((h >> 8).float() + 0.5) * 2.0 ** -24
 
 
-def sample_reference(logits: torch.Tensor, keys: torch.Tensor, temperature: torch.Tensor, threshold: torch.Tensor,
-                     greedy: torch.Tensor) -> torch.Tensor:
+def sample_reference(logits: torch.Tensor, seed_keys: torch.Tensor, counters: torch.Tensor, temperature: torch.Tensor,
+                     threshold: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
     """The torch backend of `kernels.sample.sample_triton` (same arguments, same definition)."""
+    keys = noise_key(seed_keys.to(torch.int64), counters.to(torch.int64))
     z = logits.float() / temperature.float().view(-1, 1)  # a tensor divisor: correctly rounded on every device
     score = torch.where(greedy.view(-1, 1), z, z - torch.log(-torch.log(uniform_reference(keys, logits.shape[1]))))
     score = torch.where(z >= threshold.view(-1, 1), score, torch.full_like(score, float("-inf")))
@@ -73,25 +78,24 @@ def _threshold(z: torch.Tensor, top_k: int, top_p: float) -> float:
 
 
 def sample_batch(logits: torch.Tensor, rows: list, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [R, V]; rows: per row (temperature, top_k, top_p, key) -> (tokens int64 [R], logprobs fp32 [R]),
-    both on logits' device, with no host synchronization unless a row uses top-k / top-p."""
+    """logits [R, V]; rows: per row (temperature, top_k, top_p, seed key, token index) -> (tokens int64 [R],
+    logprobs fp32 [R]), both on logits' device, with no host synchronization unless a row uses top-k / top-p."""
     dev = logits.device
-    temps = [t if t > 0 else 1.0 for t, _, _, _ in rows]
+    temps = [r[0] if r[0] > 0 else 1.0 for r in rows]
     thresh = []
-    for i, (t, k, p, _) in enumerate(rows):
+    for i, (t, k, p, _, _) in enumerate(rows):
         needs = t > 0 and ((k and k < logits.shape[1]) or p < 1.0)
         thresh.append(_threshold(logits[i].float() / torch.full_like(logits[i], temps[i], dtype=torch.float32), k, p)
                       if needs else float("-inf"))
-    temp_t = torch.tensor(temps, dtype=torch.float32).to(dev, non_blocking=True)
-    keys = torch.tensor([key for _, _, _, key in rows], dtype=torch.int64).to(dev, non_blocking=True)
-    thr = torch.tensor(thresh, dtype=torch.float32).to(dev, non_blocking=True)
-    greedy = torch.tensor([t == 0 for t, _, _, _ in rows]).to(dev, non_blocking=True)
+    ints = torch.tensor([(r[3], r[4], r[0] == 0) for r in rows], dtype=torch.int64).to(dev, non_blocking=True)
+    floats = torch.tensor([temps, thresh], dtype=torch.float32).to(dev, non_blocking=True)
+    args = (ints[:, 0], ints[:, 1], floats[0], floats[1], ints[:, 2] != 0)
     if ops.resolve_backend(backend) == "triton":
         from ..kernels.sample import sample_triton
 
-        tokens = sample_triton(logits, keys, temp_t, thr, greedy)
+        tokens = sample_triton(logits, *args)
     else:
-        tokens = sample_reference(logits, keys, temp_t, thr, greedy)
+        tokens = sample_reference(logits, *args)
     logprobs = torch.empty(len(rows), dtype=torch.float32, device=dev)
     for t in sorted(set(temps)):  # one logprob call per distinct temperature; rows are independent
         idx = [i for i, ti in enumerate(temps) if ti == t]

@@ -36,8 +36,9 @@ read once per KV head). The tile shape, warps and dtypes are the same in both la
 step pads its few rows to BLOCK_M), and each row's products and reductions are the same instructions on
 the same operands; rows never mix. Keys at or beyond the valid length are loaded as zeros, so stale
 cache contents never enter a sum. The kernels are compiled with fp fusion off (every mul and add rounds
-on its own unless written as an explicit fma), so no compiler choice can differ between them; integer
-sizes are not value-specialized, so prefill and decode run one binary of `_attention_kernel`.
+on its own unless written as an explicit fma), so no compiler choice can differ between them; the sizes
+that differ between prefill and decode are not value-specialized, so both run one binary of
+`_attention_kernel`.
 
 The learner's backward recomputes the same attention with torch SDPA (the flash / memory-efficient
 kernels) and differentiates that: only the forward must match the rollout, and the backward of a
@@ -87,7 +88,10 @@ def _finish(l, acc):
     return tl.where(l[:, None] > 0, acc / tl.where(l > 0, l, 1.0)[:, None], 0.0)
 
 
-@triton.jit(do_not_specialize=["HKV", "REP", "TQ", "TK", "NSPLIT", "CPS"])
+# Sizes that differ between prefill and decode (and the position tensor, whose stride is Tq) are not
+# value-specialized, so both launches run one compiled binary. The remaining strides are multiples of
+# head_dim either way.
+@triton.jit(do_not_specialize=["QPOS", "KVLEN", "spb", "HKV", "REP", "TQ", "TK", "NSPLIT", "CPS"])
 def _attention_kernel(
     Q, K, V, O, MS, LS, ACCS, QPOS, KVLEN,
     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, spb,

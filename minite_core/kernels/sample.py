@@ -7,7 +7,8 @@ draw to the tokens with z >= a per-row threshold (computed by the caller, `engin
 rows take argmax z (no noise). Ties go to the smallest token id, as torch.argmax.
 
 The uniforms come from a counter-based hash, not from a stateful generator: u_v = h(key, v), with
-key a 32-bit function of (the sequence's seed, the index of the token being drawn). A sequence's draws
+key = mix32(seed_key ^ index), seed_key a 32-bit function of the sequence's seed and index the
+position of the token being drawn among the sequence's generated tokens. A sequence's draws
 therefore depend only on its own seed and position, never on which other sequences share the batch
 or on how the engine schedules them, and the same (logits, seed, position) gives the same token on
 every call. h is Chris Wellons' "lowbias32" integer mixer applied to key + v * 0x9E3779B9 (mod 2^32),
@@ -53,11 +54,11 @@ def _gumbel(key, cols):
 
 
 @triton.jit
-def _sample_kernel(X, KEYS, TEMP, THRESH, GREEDY, OUT, sx, V, BLOCK: tl.constexpr):
+def _sample_kernel(X, SEEDKEYS, COUNTERS, TEMP, THRESH, GREEDY, OUT, sx, V, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols0 = tl.arange(0, BLOCK)
     base = X + row.to(tl.int64) * sx
-    key = tl.load(KEYS + row).to(tl.uint32)
+    key = _mix32(tl.load(SEEDKEYS + row).to(tl.uint32) ^ tl.load(COUNTERS + row).to(tl.uint32))
     t = tl.load(TEMP + row)
     thresh = tl.load(THRESH + row)
     greedy = tl.load(GREEDY + row) != 0
@@ -91,16 +92,18 @@ def _block() -> int:
     return 64 if interpreting() else 2048
 
 
-def sample_triton(logits: torch.Tensor, keys: torch.Tensor, temperature: torch.Tensor, threshold: torch.Tensor,
-                  greedy: torch.Tensor) -> torch.Tensor:
-    """logits [R, V]; per row: keys (uint32 values in int64), temperature (fp32, > 0), threshold (fp32, z below
+def sample_triton(logits: torch.Tensor, seed_keys: torch.Tensor, counters: torch.Tensor, temperature: torch.Tensor,
+                  threshold: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """logits [R, V]; per row: the sequence's seed key (uint32 values in int64), the index of the token being
+    drawn (its noise key is mix32(seed_key ^ counter)), temperature (fp32, > 0), threshold (fp32, z below
     it is excluded; -inf: none), greedy (bool) -> token ids int64 [R]. No host synchronization."""
     r, v = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     out = torch.empty(r, dtype=torch.int32, device=logits.device)
     if r:
-        _sample_kernel[(r,)](logits, keys.to(torch.int64).contiguous(), temperature.float().contiguous(),
+        _sample_kernel[(r,)](logits, seed_keys.to(torch.int64).contiguous(), counters.to(torch.int64).contiguous(),
+                             temperature.float().contiguous(),
                              threshold.float().contiguous(), greedy.to(torch.int8).contiguous(), out,
                              logits.stride(0), v, BLOCK=_block(), num_warps=8 if not interpreting() else 4)
     return out.long()
