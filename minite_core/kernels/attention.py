@@ -21,20 +21,21 @@ capacity, any batch):
 One kernel (`_attention_kernel`) computes the chunk partials and combines them in registers; two
 launch shapes use it:
 
-- prefill (many query rows): grid (B * Hkv, query tiles, 1); a program walks all the chunks its tile
+- prefill (many query rows): grid (B * groups, query tiles, 1); a program walks all the chunks its tile
   needs and writes the normalized output.
-- split (decode: all query rows of one KV head fit one tile): grid (B * Hkv, 1, cdiv(Tk, SPLIT_N));
+- split (decode: a group's rows fit one tile): grid (B * groups, 1, cdiv(Tk, SPLIT_N)), groups below;
   program c computes chunk c only (programs past a row's keys write the empty state) and stores its
   (m, l, acc) in fp32 scratch; `_combine_kernel` then combines the chunks 0, 1, ... with the same
   `_combine` and `_finish`. fp32 scratch stores are exact, so the bits equal the prefill's. The number
   of chunks comes from the cache capacity (a shape), never from kv_len values: no host sync, so a decode
   step can be captured in a CUDA graph.
 
-Tile rows: a tile holds BLOCK_M rows of one (sequence, KV head): row g is query position g // REP of
-query head kvh * REP + g % REP (the GQA heads sharing the KV head packed together, so the K/V tiles are
-read once per KV head). The tile shape, warps and dtypes are the same in both launch shapes (a decode
-step pads its few rows to BLOCK_M), and each row's products and reductions are the same instructions on
-the same operands; rows never mix. Keys at or beyond the valid length are loaded as zeros, so stale
+Tile rows: a program owns BLOCK_M rows of one (sequence, group). In a prefill a group is one query
+head and its rows are query positions; in a decode step (one query per sequence) a group is the Hq/Hkv
+query heads that share one KV head, packed as the tile's rows, so the K/V tiles are read once per KV
+head. The tile shape, warps and dtypes are the same in every launch (a decode step pads its rows to
+BLOCK_M), and a row's products and reductions are the same instructions on the same operands whichever
+rows sit beside it: rows never mix. Keys at or beyond the valid length are loaded as zeros, so stale
 cache contents never enter a sum. The kernels are compiled with fp fusion off (every mul and add rounds
 on its own unless written as an explicit fma), so no compiler choice can differ between them; the sizes
 that differ between prefill and decode are not value-specialized, so both run one binary of
@@ -55,7 +56,8 @@ import triton.language as tl
 
 from .gemm import interpreting
 
-NUM_WARPS = 4  # the same for every launch of _attention_kernel (it fixes the tile's register layout)
+NUM_WARPS = 8  # the same for every launch of _attention_kernel (it fixes the tile's register layout); at 4 the
+# two [BLOCK_M, D] fp32 accumulators spill on sm_90 (ptxas: 255 registers + 336 bytes of stack), at 8 they fit
 
 
 def _helper(fn):
@@ -91,31 +93,30 @@ def _finish(l, acc):
 # Sizes that differ between prefill and decode (and the position tensor, whose stride is Tq) are not
 # value-specialized, so both launches run one compiled binary. The remaining strides are multiples of
 # head_dim either way.
-@triton.jit(do_not_specialize=["QPOS", "KVLEN", "spb", "HKV", "REP", "TQ", "TK", "NSPLIT", "CPS"])
+@triton.jit(do_not_specialize=["QPOS", "KVLEN", "spb", "spr", "NGRP", "GPK", "ROWS", "TK", "NSPLIT", "CPS"])
 def _attention_kernel(
     Q, K, V, O, MS, LS, ACCS, QPOS, KVLEN,
-    sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot, spb,
-    scale, HKV, REP, TQ, TK, NSPLIT, CPS,
+    sqb, sqg, sqr, skb, skh, skt, svb, svh, svt, sob, sog, sor, spb, spr,
+    scale, NGRP, GPK, ROWS, TK, NSPLIT, CPS,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
     DOT_BY_SUM: tl.constexpr, IEEE: tl.constexpr,
 ):
-    bk = tl.program_id(0)
-    b = bk // HKV
-    kvh = bk % HKV
-    G = REP * TQ  # query rows of this (sequence, KV head)
-    tile = tl.cdiv(G, BLOCK_M) - 1 - tl.program_id(1)  # latest positions (most keys) first
+    bg = tl.program_id(0)
+    b = bg // NGRP
+    grp = bg % NGRP  # a query head (ROWS = its positions), or a KV head's query heads at one position
+    kvh = grp // GPK
+    tile = tl.cdiv(ROWS, BLOCK_M) - 1 - tl.program_id(1)  # latest positions (most keys) first
     split = tl.program_id(2)
     g = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = g < G
-    t = g // REP
-    h = kvh * REP + g % REP
+    row_ok = g < ROWS
     d = tl.arange(0, D)
-    pos = tl.load(QPOS + b * spb + t, mask=row_ok, other=-1)
+    pos = tl.load(QPOS + b * spb + g * spr, mask=row_ok, other=-1)
     kv_len = tl.minimum(tl.load(KVLEN + b), TK)  # never read past the cache, whatever the caller says
-    q = tl.load(Q + b * sqb + h[:, None] * sqh + t[:, None] * sqt + d[None, :], mask=row_ok[:, None], other=0.0)
+    q = tl.load(Q + b * sqb + grp * sqg + g[:, None] * sqr + d[None, :], mask=row_ok[:, None], other=0.0)
     hi = tl.maximum(tl.minimum(tl.max(pos, axis=0) + 1, kv_len), 0)  # keys this tile needs
     c_lo = split * CPS
     c_hi = tl.minimum(c_lo + CPS, tl.cdiv(hi, SPLIT_N))  # this program's chunks: [c_lo, c_hi)
+
     end = tl.minimum(c_hi * SPLIT_N, hi)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # the combined chunks
@@ -162,39 +163,36 @@ def _attention_kernel(
             acc_c = tl.zeros([BLOCK_M, D], tl.float32)
     if NSPLIT == 1:
         out = _finish(l_i, acc)
-        tl.store(O + b * sob + h[:, None] * soh + t[:, None] * sot + d[None, :], out, mask=row_ok[:, None])
+        tl.store(O + b * sob + grp * sog + g[:, None] * sor + d[None, :], out, mask=row_ok[:, None])
     else:  # this program's chunk partial, exact in fp32; _combine_kernel folds the chunks in order
-        r = (bk * NSPLIT + split) * G + g
+        r = (bg * NSPLIT + split) * ROWS + g
         tl.store(MS + r, m_i, mask=row_ok)
         tl.store(LS + r, l_i, mask=row_ok)
         tl.store(ACCS + r[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["HKV", "REP", "TQ", "NSPLIT"])
+@triton.jit(do_not_specialize=["NGRP", "ROWS", "NSPLIT"])
 def _combine_kernel(
-    O, MS, LS, ACCS, sob, soh, sot, HKV, REP, TQ, NSPLIT,
+    O, MS, LS, ACCS, sob, sog, sor, NGRP, ROWS, NSPLIT,
     D: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    bk = tl.program_id(0)
-    b = bk // HKV
-    kvh = bk % HKV
-    G = REP * TQ
+    bg = tl.program_id(0)
+    b = bg // NGRP
+    grp = bg % NGRP
     g = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = g < G
+    row_ok = g < ROWS
     d = tl.arange(0, D)
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, D], tl.float32)
     for c in range(0, NSPLIT):
-        r = (bk * NSPLIT + c) * G + g
+        r = (bg * NSPLIT + c) * ROWS + g
         m_c = tl.load(MS + r, mask=row_ok, other=float("-inf"))
         l_c = tl.load(LS + r, mask=row_ok, other=0.0)
         acc_c = tl.load(ACCS + r[:, None] * D + d[None, :], mask=(row_ok & (m_c > float("-inf")))[:, None], other=0.0)
         m_i, l_i, acc = _combine(m_i, l_i, acc, m_c, l_c, acc_c)
     out = _finish(l_i, acc)
-    h = kvh * REP + g % REP
-    t = g // REP
-    tl.store(O + b * sob + h[:, None] * soh + t[:, None] * sot + d[None, :], out, mask=row_ok[:, None])
+    tl.store(O + b * sob + grp * sog + g[:, None] * sor + d[None, :], out, mask=row_ok[:, None])
 
 
 def attention_config() -> tuple[int, int, int]:
@@ -224,32 +222,37 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
         return out
     bm, bn, sn = attention_config()
     rep = hq // hkv
-    rows = rep * tq  # query rows per (sequence, KV head)
+    if tq == 1:  # decode: a group is a KV head's `rep` query heads (rows), packed into one tile
+        ngrp, gpk, rows = hkv, 1, rep
+        sqg, sqr, sog, sor, spr = rep * q.stride(1), q.stride(1), rep * out.stride(1), out.stride(1), 0
+    else:  # a group is one query head, its rows the query positions
+        ngrp, gpk, rows = hq, rep, tq
+        sqg, sqr, sog, sor, spr = q.stride(1), q.stride(2), out.stride(1), out.stride(2), q_pos.stride(1)
     tiles = triton.cdiv(rows, bm)
     chunks = max(triton.cdiv(tk, sn), 1)  # from the cache capacity: a shape, not kv_len's values
     if split is None:
         split = tiles == 1
     nsplit = chunks if split else 1
     if nsplit > 1:
-        ms = torch.empty(b * hkv * nsplit * rows, device=q.device, dtype=torch.float32)
+        ms = torch.empty(b * ngrp * nsplit * rows, device=q.device, dtype=torch.float32)
         ls = torch.empty_like(ms)
-        accs = torch.empty(b * hkv * nsplit * rows * d, device=q.device, dtype=torch.float32)
-        grid, cps = (b * hkv, tiles, nsplit), 1
+        accs = torch.empty(b * ngrp * nsplit * rows * d, device=q.device, dtype=torch.float32)
+        grid, cps = (b * ngrp, tiles, nsplit), 1
     else:
         ms = ls = accs = out  # not written
-        grid, cps = (b * hkv, tiles, 1), chunks
+        grid, cps = (b * ngrp, tiles, 1), chunks
     _attention_kernel[grid](
         q, k, v, out, ms, ls, accs, q_pos, kv_len,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), q_pos.stride(0),
-        float(scale), hkv, rep, tq, tk, nsplit, cps,
+        q.stride(0), sqg, sqr, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), sog, sor, q_pos.stride(0), spr,
+        float(scale), ngrp, gpk, rows, tk, nsplit, cps,
         D=d, BLOCK_M=bm, BLOCK_N=bn, SPLIT_N=sn, DOT_BY_SUM=interpreting(), IEEE=q.dtype == torch.float32,
         num_warps=NUM_WARPS, enable_fp_fusion=False,
     )
     if nsplit > 1:
         br = 16
-        _combine_kernel[(b * hkv, triton.cdiv(rows, br))](
-            out, ms, ls, accs, out.stride(0), out.stride(1), out.stride(2), hkv, rep, tq, nsplit,
+        _combine_kernel[(b * ngrp, triton.cdiv(rows, br))](
+            out, ms, ls, accs, out.stride(0), sog, sor, ngrp, rows, nsplit,
             D=d, BLOCK_R=br, num_warps=4, enable_fp_fusion=False,
         )
     return out
