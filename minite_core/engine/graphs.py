@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ..model import moe
 from ..nvfp4 import NVFP4Tensor
 
 
@@ -85,6 +86,7 @@ class DecodeGraphs:
             self.weights = clone_weights(weights)
         else:
             copy_weights_(self.weights, weights)
+            moe.restack(self.model, self.weights)  # the MoE layers' stacked experts follow in place
         self.loaded = key
 
     def _forward(self, b: int) -> torch.Tensor:

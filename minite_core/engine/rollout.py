@@ -128,7 +128,7 @@ class Request:
 
 
 class RolloutEngine:
-    PREFILL_TOKENS = 4096  # at most this many (padded) prompt tokens per prefill forward
+    PREFILL_TOKENS = 16384  # at most this many (padded) prompt tokens per prefill forward
 
     def __init__(self, model: Qwen3, *, max_slots: int = 16, max_seq_len: int | None = None,
                  cuda_graphs: bool | None = None):
@@ -139,7 +139,7 @@ class RolloutEngine:
         # one cache row more than slots: the scratch row the padding rows of a graph bucket write to
         self.cache = KVCache(model.cfg, max_slots + 1, self.max_seq_len, model.dtype, model.device)
         if cuda_graphs is None:
-            cuda_graphs = model.device.type == "cuda" and not model.cfg.num_experts
+            cuda_graphs = model.device.type == "cuda"
         if cuda_graphs and model.device.type != "cuda":
             raise ValueError("cuda_graphs needs the model on a CUDA device")
         self.graphs = DecodeGraphs(model, self.cache, max_slots, scratch_slot=max_slots) if cuda_graphs else None
@@ -290,14 +290,14 @@ class RolloutEngine:
             return lambda name, t: [capture(q.key, name, t[j]) for j, q in enumerate(seqs)]
         return lambda name, t: [capture(q.key, name, t[j, :n]) for j, (q, n) in enumerate(zip(seqs, lengths))]
 
-    def _forward(self, seqs: list[_Seq], ids: torch.Tensor, pos: torch.Tensor, capture, lengths=None):
+    def _forward(self, seqs: list[_Seq], ids: torch.Tensor, pos: torch.Tensor, capture, lengths=None, logits_at=None):
         """One eager forward over `seqs` (all on one weight version) with that version's weights."""
         serving = self.model.w
         self.model.w = seqs[0].request.weights
         slots = torch.tensor([q.slot for q in seqs]).to(self.model.device, non_blocking=True)
         try:
             return self.model(ids, pos, self.cache, slots, capture=self._capture_rows(capture, seqs, lengths),
-                              check_ids=False)
+                              check_ids=False, logits_at=logits_at)
         finally:
             self.model.w = serving
 
@@ -315,10 +315,14 @@ class RolloutEngine:
             t = len(group[-1].prompt)
             ids = torch.tensor([q.prompt + [0] * (t - len(q.prompt)) for q in group])
             pos = torch.arange(t).expand(len(group), t)
-            logits = self._forward(group, ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True), capture,
-                                   [len(q.prompt) for q in group])
             last = torch.tensor([len(q.prompt) - 1 for q in group]).to(dev, non_blocking=True)
-            self._sample(group, logits[torch.arange(len(group), device=dev), last])
+            if capture is None:  # only the last prompt position's logits
+                logits = self._forward(group, ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True), None,
+                                       logits_at=last)[:, 0]
+            else:  # diagnostics see every prompt row
+                logits = self._forward(group, ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True), capture,
+                                       [len(q.prompt) for q in group])[torch.arange(len(group), device=dev), last]
+            self._sample(group, logits)
             lo = hi
 
     def _decode(self, seqs: list[_Seq], capture) -> None:

@@ -18,6 +18,7 @@ import dataclasses
 import torch
 
 from .. import ops, reference
+from . import moe as moe_grouped
 from ..nvfp4 import NVFP4Tensor
 from ..reduce import tree_sum
 
@@ -228,6 +229,8 @@ class Qwen3:
         if cfg.norm_topk_prob:
             top_v = top_v / tree_sum(top_v).unsqueeze(-1)
         top_v = top_v.to(self.dtype)
+        if moe_grouped.usable(self, p):  # inference on the Triton backend: one grouped GEMM per projection, same bits
+            return moe_grouped.grouped_moe(self, flat, p, top_v, top_i).view_as(x)
         out = torch.zeros_like(flat)
         for e in range(cfg.num_experts):
             tok, slot = torch.where(top_i == e)
@@ -240,12 +243,13 @@ class Qwen3:
     # -- forward --------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None,
                 slots: torch.Tensor | None = None, capture=None, *, logits_dtype: torch.dtype = torch.float32,
-                check_ids: bool = True) -> torch.Tensor:
+                check_ids: bool = True, logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [B, T] (default 0..T-1) -> logits [B, T, V] (fp32 unless `logits_dtype`).
         `capture(name, tensor)` sees every op's output. `logits_dtype`: the logits' dtype (the lm_head
         computes them in the model dtype, so `logits_dtype=self.dtype` gives the same values without an
         fp32 copy). `check_ids=False` skips the token-id range check, which syncs with the host (a
-        captured CUDA graph must not)."""
+        captured CUDA graph must not). `logits_at` [B]: only the logits at that position of each row,
+        [B, 1, V] (a prefill needs the last prompt position's; the final norm and lm_head are row-local)."""
         cfg = self.cfg
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError("input_ids must be an integer tensor [B, T]")
@@ -294,6 +298,8 @@ class Qwen3:
             x = x + emit(n + "o_proj", self.linear(a, p + "self_attn.o_proj"))
             h = emit(n + "post_norm", self.norm(x, p + "post_attention_layernorm"))
             x = x + emit(n + "mlp", self.moe(h, p + "mlp.") if cfg.is_moe_layer(i) else self.mlp(h, p + "mlp."))
+        if logits_at is not None:
+            x = x[torch.arange(b, device=x.device), logits_at].unsqueeze(1)
         x = emit("final_norm", self.norm(x, "model.norm"))
         head = "model.embed_tokens" if cfg.tie_word_embeddings else "lm_head"
         return emit("lm_head", self.linear(x, head).to(logits_dtype))
