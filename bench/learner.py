@@ -30,7 +30,7 @@ from minite_core.engine import Learner  # noqa: E402
 from minite_core.model import load_model  # noqa: E402
 from minite_core.model.qwen3 import Qwen3Config  # noqa: E402
 from minite_core.model.random_init import random_checkpoint  # noqa: E402
-from minite_core.rl.trainer import requantize  # noqa: E402
+from minite_core.rl.trainer import clip_grad_norm, make_optimizer, requantize  # noqa: E402
 
 
 def time_steps(step, n: int) -> list[float]:
@@ -51,7 +51,7 @@ def minite_step_fn(path: Path, precision: str, batch: int, seq: int, knobs: dict
     fp32 = load_model(path, precision="fp32", device="cuda")
     masters = {n: t.clone().requires_grad_(True) for n, t in fp32.w.items()}
     del fp32
-    opt = torch.optim.AdamW(masters.values(), lr=1e-5)
+    opt = make_optimizer(masters.values(), lr=1e-5)  # the Trainer's: fused on CUDA
     learner = Learner(policy)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, policy.cfg.vocab_size, (batch, seq), generator=g).tolist()
@@ -66,7 +66,7 @@ def minite_step_fn(path: Path, precision: str, batch: int, seq: int, knobs: dict
         loss = -torch.cat(lps).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(masters.values()), 1.0)
+        clip_grad_norm(masters.values(), 1.0)
         opt.step()
         requantize(policy, masters)  # the Trainer's weight sync
     return step
@@ -78,7 +78,7 @@ def hf_step_fn(cfg: Qwen3Config, batch: int, seq: int):
     hf_cfg._attn_implementation = "sdpa"
     model = transformers.Qwen3ForCausalLM(hf_cfg).to(device="cuda", dtype=torch.bfloat16)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
 
     def step():

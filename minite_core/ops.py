@@ -71,6 +71,28 @@ def quantize(
     return quantize_triton(x.contiguous(), global_scale)
 
 
+def quantize_weights(tensors: list, *, backend: str | None = None) -> list:
+    """Per-tensor-scale NVFP4 of many weights (the learner's re-quantize of its masters), the same bits
+    as `quantize(t, scale_mode="tensor")` of each. Triton backend: the amaxes in one multi-tensor
+    reduction (max |x| is exact, so the global scales are the same), one finiteness check and host sync for
+    all of them (an amax is finite iff its tensor is), then the fused quantize kernel per tensor; no
+    `abs()` / `isfinite()` copies of the weights and no sync per weight. Torch backend: `quantize` each."""
+    backend = resolve_backend(backend)
+    if backend == "torch" or not tensors:
+        return [quantize(t, scale_mode="tensor", backend=backend) for t in tensors]
+    from .kernels.quantize import quantize_triton
+
+    for i, t in enumerate(tensors):
+        check_float_input(t, f"tensors[{i}]", check_finite=False)
+        _check_triton_device(t, f"tensors[{i}]")
+    amax = torch.stack([a.float() for a in torch._foreach_norm(list(tensors), float("inf"))])
+    if not bool(torch.isfinite(amax).all()):
+        bad = [i for i, ok in enumerate(torch.isfinite(amax).tolist()) if not ok]
+        raise ValueError(f"tensors {bad} contain NaN or Inf values")
+    gs = nvfp4.global_scale_from_amax(amax)
+    return [quantize_triton(t.contiguous(), gs[i]) for i, t in enumerate(tensors)]
+
+
 def _check_linear(x, w, bias):
     check_float_input(x, "x", check_finite=False)
     if isinstance(w, NVFP4Tensor):
@@ -134,7 +156,8 @@ def _bwd_mm(a: torch.Tensor, b: torch.Tensor, bf16_exact: bool = False) -> torch
 def _backward_ste(g2: torch.Tensor, x2: torch.Tensor | None, w, xq: NVFP4Tensor | None):
     """Straight-through on the dequantized operands, bf16-rounded, fp32 accumulation (NeMo-RL/TE's
     "dequantized" backward): dgrad = g @ deq(W), wgrad = g.T @ deq(Q(x)), with Q(x) the forward's own
-    quantized activation (saved instead of x: 4.5 bits per value instead of 16)."""
+    quantized activation (saved instead of x: 4.5 bits per value instead of 16). The CPU path (fixed-order
+    `reference.mm_plain`, fp32 operands); the GPU has `_backward_ste_cuda`."""
     gb = g2.to(torch.bfloat16).float()
     if isinstance(w, NVFP4Tensor):
         wd = w.dequantize(torch.bfloat16).float()
@@ -143,6 +166,61 @@ def _backward_ste(g2: torch.Tensor, x2: torch.Tensor | None, w, xq: NVFP4Tensor 
         wd, xd = w.float(), x2.float()
     exact = isinstance(w, NVFP4Tensor) or (w.dtype == torch.bfloat16 and x2.dtype == torch.bfloat16)
     return _bwd_mm(gb, wd.T.contiguous(), exact), _bwd_mm(gb.T.contiguous(), xd.T.contiguous(), exact)
+
+
+_PAIR_LUTS: dict = {}
+
+
+def _pair_lut(device) -> torch.Tensor:
+    """[256, 2] fp32: the two E2M1 values a packed byte holds (low nibble first), copied once per device."""
+    device = torch.device(device)
+    if device not in _PAIR_LUTS:
+        b = torch.arange(256)
+        _PAIR_LUTS[device] = torch.stack((nvfp4.E2M1_VALUES[b & 0xF], nvfp4.E2M1_VALUES[b >> 4]), -1).to(device)
+    return _PAIR_LUTS[device]
+
+
+def dequantize_fast(t: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """`nvfp4.dequantize` bit for bit, in 4 elementwise kernels instead of ~9: one byte -> value-pair
+    lookup (no uint8 unpack/stack, no int64 code tensor), code * block scale in place (exact in fp32), and
+    * global scale written straight into `dtype` (the fp32 product rounded once more, as `.to(dtype)`)."""
+    k = t.shape[-1]
+    lead = tuple(t.shape[:-1])
+    vals = _pair_lut(t.device)[t.data.int()].view(*lead, k // nvfp4.BLOCK, nvfp4.BLOCK)
+    vals.mul_(t.scale.float().unsqueeze(-1))
+    gs = t.global_scale.unsqueeze(-1) if t.global_scale.dim() else t.global_scale
+    out = torch.empty(vals.shape, dtype=dtype, device=vals.device)
+    torch.mul(vals, gs, out=out)
+    return out.view(t.shape)
+
+
+def _backward_ste_cuda(g2: torch.Tensor, x2: torch.Tensor | None, w, xq: NVFP4Tensor | None,
+                       x_dtype: torch.dtype | None, w_dtype: torch.dtype | None):
+    """`_backward_ste` on the GPU without fp32 round trips or materialized transposes: g as bf16 (a bf16
+    grad_out is used as is), the operands dequantized straight to bf16, cuBLAS on transposed views with
+    fp32 accumulation. grad_x comes out in x's dtype when that is bf16 (one rounding of the fp32
+    accumulator, as the old fp32 result `.to(bf16)`), else fp32; grad_w in fp32 for fp32 masters, bf16
+    for bf16 weights. x_dtype / w_dtype None: that gradient is not needed (not computed)."""
+    bf16, f32 = torch.bfloat16, torch.float32
+    gb = g2.to(bf16)
+    if isinstance(w, NVFP4Tensor):
+        wd = dequantize_fast(w, bf16) if x_dtype is not None else None
+        xd = dequantize_fast(xq, bf16) if w_dtype is not None else None
+    elif w.dtype == bf16 and x2.dtype == bf16:
+        wd, xd = w, x2
+    else:  # fp32/fp16 plain operands: fp32 SIMT matmul on the bf16-rounded gradient, as before
+        gb, wd, xd = gb.float(), w.float(), x2.float()
+
+    def mm(a, b, dtype):
+        if not a.is_cuda:  # (tests on CPU: the same operands, fp32 accumulation, one rounding to `dtype`)
+            return torch.mm(a.float(), b.float()).to(dtype if dtype == a.dtype else f32)
+        if a.dtype == f32 or dtype == a.dtype:
+            return torch.mm(a, b)
+        return torch.mm(a, b, out_dtype=f32)
+
+    grad_x = mm(gb, wd, x_dtype) if x_dtype is not None else None  # [M, N] @ [N, K]
+    grad_w = mm(gb.T, xd, w_dtype) if w_dtype is not None else None  # [N, M] @ [M, K]
+    return grad_x, grad_w
 
 
 def _backward_nvfp4(g2: torch.Tensor, x2: torch.Tensor, w: NVFP4Tensor):
@@ -179,16 +257,23 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, w_tensor = ctx.saved_tensors
-        g2 = grad_out.reshape(-1, grad_out.shape[-1]).float()
+        need_x = ctx.needs_input_grad[0]
+        need_w = w_tensor is not None and ctx.needs_input_grad[1]
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
         x2 = x.reshape(-1, x.shape[-1]) if x is not None else None
         if ctx.bwd == "nvfp4" and isinstance(ctx.w, NVFP4Tensor):
-            grad_x, grad_w = _backward_nvfp4(g2, x2, ctx.w)
-        else:
-            grad_x, grad_w = _backward_ste(g2, x2, ctx.w, ctx.xq)
+            grad_x, grad_w = _backward_nvfp4(g2.float(), x2, ctx.w)
+        elif g2.is_cuda:
+            grad_x, grad_w = _backward_ste_cuda(g2, x2, ctx.w, ctx.xq, ctx.x_dtype if need_x else None,
+                                                w_tensor.dtype if need_w else None)
+        else:  # CPU: the fixed-order fp32 path (reproducible resumes)
+            grad_x, grad_w = _backward_ste(g2.float(), x2, ctx.w, ctx.xq)
         ctx.xq = None
-        grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
-        grad_w = grad_w.to(w_tensor.dtype) if w_tensor is not None and ctx.needs_input_grad[1] else None
-        grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype) if need_x else None
+        grad_w = grad_w.to(w_tensor.dtype) if need_w else None
+        grad_b = None
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.sum(0, dtype=torch.float32) if g2.is_cuda else g2.float().sum(0)
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
 

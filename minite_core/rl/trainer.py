@@ -57,14 +57,33 @@ class TrainConfig:
 @torch.no_grad()
 def requantize(model, masters: dict, *, block_2d: bool = False) -> None:
     """Write the masters into `model.w` in the model's formats: NVFP4 weights re-quantized once (per-tensor
-    global scale; 16x16 block scales for the NVIDIA recipe's backward), plain weights cast."""
+    global scale; 16x16 block scales for the NVIDIA recipe's backward), plain weights cast. On the Triton
+    backend all NVFP4 weights go through `ops.quantize_weights` together (one amax reduction and one host
+    sync for all of them, then the fused quantize kernel each); the same bits as one at a time."""
+    fp4 = [n for n in masters if isinstance(model.w[n], NVFP4Tensor)]
+    if block_2d:
+        for n in fp4:
+            model.w[n] = nvfp4.quantize(masters[n].detach(), scale_mode="tensor", block_2d=True)
+    else:
+        for n, q in zip(fp4, ops.quantize_weights([masters[n].detach() for n in fp4], backend=model.backend)):
+            model.w[n] = q
     for n, m in masters.items():
-        if isinstance(model.w[n], NVFP4Tensor) and block_2d:
-            model.w[n] = nvfp4.quantize(m.detach(), scale_mode="tensor", block_2d=True)
-        elif isinstance(model.w[n], NVFP4Tensor):  # the fused quantize kernel on the GPU
-            model.w[n] = ops.quantize(m.detach(), scale_mode="tensor", backend=model.backend)
-        else:
+        if not isinstance(model.w[n], NVFP4Tensor):
             model.w[n] = m.detach().to(model.dtype)
+
+
+def make_optimizer(params, *, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.99)) -> torch.optim.AdamW:
+    """The learner's AdamW: the fused (single-kernel) implementation when the masters are on CUDA, the
+    multi-tensor one otherwise (deterministic either way, so a resumed run repeats an uninterrupted one)."""
+    params = list(params)
+    cuda = bool(params) and all(p.is_cuda for p in params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas,
+                             **({"fused": True} if cuda else {"foreach": True}))
+
+
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_ with the multi-tensor norm and scale (no per-parameter kernels)."""
+    return torch.nn.utils.clip_grad_norm_(list(params), max_norm, foreach=True)
 
 
 class LocalRollout:
@@ -117,8 +136,8 @@ class Trainer:
         self.reference = Learner(load_model(cfg.model_dir, precision=cfg.precision)) if cfg.grpo.beta > 0 else None
         fp32 = load_model(cfg.model_dir, precision="fp32")
         self.masters = {n: t.clone().requires_grad_(True) for n, t in fp32.w.items()}
-        self.opt = torch.optim.AdamW(self.masters.values(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                     betas=(0.9, 0.99))
+        self.opt = make_optimizer(self.masters.values(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                  betas=(0.9, 0.99))
         self.step_idx = 0
         self.version = 0
         self.sync_weights()
@@ -170,7 +189,7 @@ class Trainer:
         loss, metrics = grpo_loss(logp, logp_rollout, adv, mask, g, logp_ref)
         self.opt.zero_grad()
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(list(self.masters.values()), cfg.max_grad_norm)
+        grad_norm = clip_grad_norm(self.masters.values(), cfg.max_grad_norm)
         self.opt.step()
         self.sync_weights()
         self.step_idx += 1

@@ -1,0 +1,205 @@
+"""The learner's fast paths: the GPU straight-through backward (bf16 operands, transposed views, no fp32
+round trips), the bit-exact fast dequantize, the batched re-quantize of the masters, the optimizer.
+
+CPU tests check the gradients of `ops.linear` against plain fp32 autograd on the dequantized operands, and
+run the GPU backward's code path with CPU matmuls; the CUDA tests (skipped without a GPU) check the
+real GPU path against the same references.
+"""
+import pytest
+import torch
+from conftest import HAS_CUDA, HAS_TRITON
+
+from minite_core import nvfp4, ops
+from minite_core.nvfp4 import NVFP4Tensor
+from minite_core.rl import trainer as rl_trainer
+
+BF16 = torch.bfloat16
+cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+
+
+def _rand(*shape, seed=0, device="cpu", dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+
+def _reference_grads(x, w, g, quantized: bool, scale_mode="row"):
+    """fp32 autograd of F.linear on the operands the straight-through backward multiplies: bf16-rounded
+    deq(Q(x)) and deq(W) for NVFP4 weights, the bf16-rounded plain operands otherwise; g rounded to bf16."""
+    if quantized:
+        xd = nvfp4.quantize(x.detach().float(), scale_mode=scale_mode).dequantize(BF16).float()
+        wd = w.dequantize(BF16).float()
+    else:
+        xd, wd = x.detach().to(w.dtype).float(), w.detach().float()
+    xd.requires_grad_(True)
+    wd.requires_grad_(True)
+    torch.nn.functional.linear(xd, wd).backward(g.to(BF16).float())
+    return xd.grad, wd.grad
+
+
+def _close(actual, expected, dtype):
+    tol = {torch.float32: (2e-5, 2e-5), BF16: (1.6e-2, 1e-2)}[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=tol[0], atol=tol[1])
+
+
+# ----------------------------------------------------------------------------------------- dequantize
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("scale_mode", ["row", "tensor"])
+def test_dequantize_fast_is_bit_exact(dtype, scale_mode):
+    x = _rand(24, 96, seed=1) * torch.logspace(-6, 3, 24).unsqueeze(1)  # tiny rows: subnormal block scales
+    x[3, :16] = 0.0
+    t = nvfp4.quantize(x, scale_mode=scale_mode)
+    assert torch.equal(ops.dequantize_fast(t, dtype).view(torch.int16 if dtype == BF16 else torch.int32),
+                       t.dequantize(dtype).view(torch.int16 if dtype == BF16 else torch.int32))
+    x3 = _rand(2, 5, 32, seed=2)  # leading dimensions
+    t3 = nvfp4.quantize(x3)
+    assert torch.equal(ops.dequantize_fast(t3, dtype), t3.dequantize(dtype))
+
+
+# ------------------------------------------------------------------------------------ linear backward
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_nvfp4_ste_gradients_vs_fp32_autograd(x_dtype, with_bias):
+    m, n, k = 10, 48, 64
+    master = (_rand(n, k, seed=3) * 0.1).requires_grad_(True)
+    wq = nvfp4.quantize(master.detach(), scale_mode="tensor")
+    x = _rand(m, k, seed=4, dtype=x_dtype).requires_grad_(True)
+    bias = _rand(n, seed=5).requires_grad_(True) if with_bias else None
+    g = _rand(m, n, seed=6)
+    ops.linear(x, wq, bias, master=master, out_dtype=torch.float32).backward(g)
+    rx, rw = _reference_grads(x, wq, g, quantized=True)
+    assert x.grad.dtype == x_dtype and master.grad.dtype == torch.float32
+    _close(x.grad, rx, x_dtype)
+    _close(master.grad, rw, torch.float32)
+    if with_bias:
+        _close(bias.grad, g.sum(0), torch.float32)  # the bias gradient sums g itself, not its bf16 rounding
+
+
+def test_bf16_plain_gradients_vs_fp32_autograd():
+    m, n, k = 12, 40, 32
+    w = (_rand(n, k, seed=7) * 0.1).to(BF16).requires_grad_(True)
+    x = _rand(m, k, seed=8, dtype=BF16).requires_grad_(True)
+    g = _rand(m, n, seed=9).to(BF16)
+    ops.linear(x, w).backward(g)
+    rx, rw = _reference_grads(x, w, g, quantized=False)
+    assert x.grad.dtype == BF16 and w.grad.dtype == BF16
+    _close(x.grad, rx, BF16)
+    _close(w.grad, rw, BF16)
+
+
+def test_unneeded_gradients_are_skipped():
+    master = (_rand(32, 64, seed=10) * 0.1).requires_grad_(True)
+    wq = nvfp4.quantize(master.detach(), scale_mode="tensor")
+    x = _rand(4, 64, seed=11)  # no grad: dgrad not needed
+    ops.linear(x, wq, master=master).sum().backward()
+    assert master.grad is not None and x.grad is None
+    x = x.clone().requires_grad_(True)
+    ops.linear(x, wq).sum().backward()  # no master: wgrad not needed
+    assert x.grad is not None
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "bf16", "fp32"])
+def test_gpu_backward_code_path_matches_cpu_backward(kind):
+    """`_backward_ste_cuda` (run here with its CPU matmul stand-in) == the CPU `_backward_ste` up to
+    fp32 summation order, and its bf16 outputs are the fp32 results rounded once."""
+    m, n, k = 20, 48, 64
+    g = _rand(m, n, seed=12).to(BF16)
+    if kind == "nvfp4":
+        w = nvfp4.quantize(_rand(n, k, seed=13) * 0.1, scale_mode="tensor")
+        x2 = _rand(m, k, seed=14, dtype=BF16)
+        xq = nvfp4.quantize(x2)
+        x_dtype, w_dtype = BF16, torch.float32
+    else:
+        dt = BF16 if kind == "bf16" else torch.float32
+        w, x2, xq = (_rand(n, k, seed=13) * 0.1).to(dt), _rand(m, k, seed=14, dtype=dt), None
+        x_dtype = w_dtype = dt
+    ref_x, ref_w = ops._backward_ste(g.float(), x2, w, xq)
+    gx, gw = ops._backward_ste_cuda(g, x2, w, xq, x_dtype, w_dtype)
+    assert gx.shape == (m, k) and gw.shape == (n, k)
+    _close(gx, ref_x.to(x_dtype), x_dtype)
+    _close(gw, ref_w.to(w_dtype), w_dtype)
+    assert ops._backward_ste_cuda(g, x2, w, xq, None, w_dtype)[0] is None
+    assert ops._backward_ste_cuda(g, x2, w, xq, x_dtype, None)[1] is None
+
+
+@cuda_only
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="no triton"))])
+@pytest.mark.parametrize("x_dtype", [torch.float32, BF16])
+def test_cuda_nvfp4_gradients_vs_fp32_autograd_and_cpu(backend, x_dtype):
+    m, n, k = 300, 256, 512
+    master_cpu = _rand(n, k, seed=15) * 0.1
+    x_cpu = _rand(m, k, seed=16, dtype=x_dtype)
+    g_cpu = _rand(m, n, seed=17).to(BF16)
+    grads = {}
+    for dev in ("cpu", "cuda"):
+        master = master_cpu.to(dev).requires_grad_(True)
+        x = x_cpu.to(dev).requires_grad_(True)
+        wq = ops.quantize(master.detach(), scale_mode="tensor", backend=backend if dev == "cuda" else "torch")
+        out = ops.linear(x, wq, master=master, out_dtype=BF16, backend=backend if dev == "cuda" else "torch")
+        out.backward(g_cpu.to(dev))
+        grads[dev] = (x.grad.cpu(), master.grad.cpu())
+        if dev == "cuda":
+            rx, rw = _reference_grads(x.cpu(), wq.to("cpu"), g_cpu, quantized=True)
+    assert grads["cuda"][0].dtype == x_dtype and grads["cuda"][1].dtype == torch.float32
+    for got in grads.values():
+        _close(got[0], rx, x_dtype)
+        _close(got[1], rw, torch.float32)
+
+
+@cuda_only
+def test_cuda_bf16_plain_gradients_vs_fp32_autograd():
+    m, n, k = 300, 256, 512
+    w = (_rand(n, k, seed=18) * 0.1).to("cuda", BF16).requires_grad_(True)
+    x = _rand(m, k, seed=19, device="cuda", dtype=BF16).requires_grad_(True)
+    g = _rand(m, n, seed=20, device="cuda").to(BF16)
+    ops.linear(x, w).backward(g)
+    rx, rw = _reference_grads(x.cpu(), w.cpu(), g.cpu(), quantized=False)
+    _close(x.grad.cpu(), rx, BF16)
+    _close(w.grad.cpu(), rw, BF16)
+
+
+@cuda_only
+def test_cuda_dequantize_fast_is_bit_exact():
+    x = _rand(64, 256, seed=21, device="cuda") * torch.logspace(-6, 3, 64, device="cuda").unsqueeze(1)
+    for mode in ("row", "tensor"):
+        t = nvfp4.quantize(x, scale_mode=mode)
+        assert torch.equal(ops.dequantize_fast(t, BF16), t.dequantize(BF16))
+
+
+# ------------------------------------------------------------------------------ re-quantize, optimizer
+
+
+def _same(a: NVFP4Tensor, b: NVFP4Tensor) -> bool:
+    return (torch.equal(a.data, b.data) and torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8))
+            and torch.equal(a.global_scale.reshape(()), b.global_scale.reshape(())))
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="no triton"))])
+def test_quantize_weights_same_bits_as_one_at_a_time(backend):
+    dev = "cuda" if HAS_CUDA else "cpu"
+    ws = [_rand(16, 32, seed=22, device=dev) * 3, _rand(8, 64, seed=23, device=dev) * 1e-3,
+          torch.zeros(16, 16, device=dev)]
+    got = ops.quantize_weights(ws, backend=backend)
+    for w, q in zip(ws, got):
+        assert _same(q, ops.quantize(w, scale_mode="tensor", backend=backend))
+        assert _same(q, nvfp4.quantize(w, scale_mode="tensor"))
+    bad = ws[1].clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        ops.quantize_weights([ws[0], bad], backend=backend)
+
+
+def test_optimizer_and_clip():
+    p = torch.nn.Parameter(torch.ones(4))
+    opt = rl_trainer.make_optimizer([p], lr=0.1)
+    assert opt.defaults["foreach"] is True and not opt.defaults.get("fused")
+    p.grad = torch.full((4,), 3.0)
+    norm = rl_trainer.clip_grad_norm([p], 1.0)
+    assert torch.isclose(norm, torch.tensor(6.0)) and torch.isclose(p.grad.norm(), torch.tensor(1.0), atol=1e-5)
+    opt.step()
+    if HAS_CUDA:
+        q = torch.nn.Parameter(torch.ones(4, device="cuda"))
+        assert rl_trainer.make_optimizer([q], lr=0.1).defaults["fused"] is True
