@@ -96,7 +96,7 @@ def profile(name: str, step) -> None:
         step()
         torch.cuda.synchronize()
     print(f"--- {name}: GPU time by kernel (one step)")
-    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
 
 
 def main() -> None:

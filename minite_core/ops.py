@@ -242,8 +242,8 @@ def _backward_nvfp4(g2: torch.Tensor, x2: torch.Tensor, w: NVFP4Tensor):
 class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_tensor, bias, w, out_dtype, backend, scale_mode, bwd):
-        # w_tensor receives the weight gradient: w itself for plain weights, the high-precision master an
-        # NVFP4 weight was quantized from (training), or None (no weight gradient).
+        # w_tensor receives the weight gradient: the high-precision master w was quantized or cast from
+        # (training), else w itself for plain weights, or None (an NVFP4 weight without a master).
         x2 = x.reshape(-1, x.shape[-1])
         out, xq = _gemm(x2, w, bias, out_dtype, backend, scale_mode)
         # the straight-through backward of an NVFP4 linear needs only Q(x); the others need x itself
@@ -296,6 +296,9 @@ def linear(
     defaults to x's. For training, `master` is the high-precision tensor an NVFP4 `w` was quantized
     from: it receives the weight gradient, computed by `backward` = "ste" (straight-through on the
     dequantized operands in bf16) or "nvfp4" (NVIDIA's recipe: stochastic rounding, RHT on wgrad).
+    A plain `w` may have a master too (w must hold master's values in w's dtype, e.g. the rollout's bf16
+    copy of an fp32 master): the weight gradient then goes to the master in its dtype, straight from the
+    fp32 accumulator (no bf16 rounding of the gradient, no cast of the master in the forward).
     """
     backend = resolve_backend(backend)
     _check_linear(x, w, bias)
@@ -308,7 +311,7 @@ def linear(
     if master is not None and tuple(master.shape) != tuple(w.shape):
         raise ValueError(f"master weight has shape {tuple(master.shape)}, but w is {tuple(w.shape)}")
     out_dtype = out_dtype or x.dtype
-    w_tensor = master if isinstance(w, NVFP4Tensor) else w
+    w_tensor = master if master is not None or isinstance(w, NVFP4Tensor) else w
     return _Linear.apply(x, w_tensor, bias, w, out_dtype, backend, scale_mode, backward)
 
 

@@ -203,3 +203,20 @@ def test_optimizer_and_clip():
     if HAS_CUDA:
         q = torch.nn.Parameter(torch.ones(4, device="cuda"))
         assert rl_trainer.make_optimizer([q], lr=0.1).defaults["fused"] is True
+
+
+def test_plain_weight_with_fp32_master_gets_fp32_gradient():
+    """A bf16 weight with its fp32 master: the gradient lands on the master in fp32 (not rounded to bf16)."""
+    m, n, k = 12, 40, 32
+    master = (_rand(n, k, seed=24) * 0.1).requires_grad_(True)
+    w = master.detach().to(BF16)
+    x = _rand(m, k, seed=25, dtype=BF16).requires_grad_(True)
+    g = _rand(m, n, seed=26).to(BF16)
+    ops.linear(x, w, master=master).backward(g)
+    rx, rw = _reference_grads(x, w, g, quantized=False)
+    assert master.grad.dtype == torch.float32
+    _close(master.grad, rw, torch.float32)
+    _close(x.grad, rx, BF16)
+    w2 = master.detach().to(BF16).requires_grad_(True)  # the old way: cast in the graph, bf16 gradient
+    ops.linear(x.detach(), w2).backward(g)
+    _close(w2.grad, master.grad, BF16)
