@@ -171,24 +171,28 @@ def _backward_ste(g2: torch.Tensor, x2: torch.Tensor | None, w, xq: NVFP4Tensor 
 _PAIR_LUTS: dict = {}
 
 
-def _pair_lut(device) -> torch.Tensor:
-    """[256, 2] fp32: the two E2M1 values a packed byte holds (low nibble first), copied once per device."""
-    device = torch.device(device)
-    if device not in _PAIR_LUTS:
+def _pair_lut(device, dtype) -> torch.Tensor:
+    """[256, 2]: the two E2M1 values a packed byte holds (low nibble first), copied once per device/dtype."""
+    key = (torch.device(device), dtype)
+    if key not in _PAIR_LUTS:
         b = torch.arange(256)
-        _PAIR_LUTS[device] = torch.stack((nvfp4.E2M1_VALUES[b & 0xF], nvfp4.E2M1_VALUES[b >> 4]), -1).to(device)
-    return _PAIR_LUTS[device]
+        _PAIR_LUTS[key] = torch.stack((nvfp4.E2M1_VALUES[b & 0xF], nvfp4.E2M1_VALUES[b >> 4]), -1).to(key[0], dtype)
+    return _PAIR_LUTS[key]
 
 
 def dequantize_fast(t: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """`nvfp4.dequantize` bit for bit, in 4 elementwise kernels instead of ~9: one byte -> value-pair
-    lookup (no uint8 unpack/stack, no int64 code tensor), code * block scale in place (exact in fp32), and
-    * global scale written straight into `dtype` (the fp32 product rounded once more, as `.to(dtype)`)."""
+    lookup (no uint8 unpack/stack, no int64 code tensor), code * block scale in place, then * global scale
+    in fp32 written straight into `dtype` (the fp32 product rounded once more, as `.to(dtype)`).
+    code * block scale is exact in fp32 and, for a bf16 result, in bf16 too (a 2-bit times a 4-bit
+    significand, exponents within bf16's range), so the bf16 output is built on bf16 intermediates."""
     k = t.shape[-1]
     lead = tuple(t.shape[:-1])
-    vals = _pair_lut(t.device)[t.data.int()].view(*lead, k // nvfp4.BLOCK, nvfp4.BLOCK)
-    vals.mul_(t.scale.float().unsqueeze(-1))
-    gs = t.global_scale.unsqueeze(-1) if t.global_scale.dim() else t.global_scale
+    mid = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    vals = _pair_lut(t.device, mid)[t.data.int()].view(*lead, k // nvfp4.BLOCK, nvfp4.BLOCK)
+    vals.mul_(t.scale.to(mid).unsqueeze(-1))
+    # a dimensioned fp32 global scale, so the product is taken in fp32 (a 0-dim one would not promote)
+    gs = t.global_scale.unsqueeze(-1) if t.global_scale.dim() else t.global_scale.view(*([1] * vals.dim()))
     out = torch.empty(vals.shape, dtype=dtype, device=vals.device)
     torch.mul(vals, gs, out=out)
     return out.view(t.shape)
