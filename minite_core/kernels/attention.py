@@ -116,7 +116,6 @@ def _attention_kernel(
     hi = tl.maximum(tl.minimum(tl.max(pos, axis=0) + 1, kv_len), 0)  # keys this tile needs
     c_lo = split * CPS
     c_hi = tl.minimum(c_lo + CPS, tl.cdiv(hi, SPLIT_N))  # this program's chunks: [c_lo, c_hi)
-
     end = tl.minimum(c_hi * SPLIT_N, hi)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # the combined chunks
