@@ -7,7 +7,9 @@ For each shape (N, K) and M it times, with triton.testing.do_bench_cudagraph (me
   fp8-scaled-mm torch._scaled_mm on e4m3 operands (per-tensor scales), bf16 out
   naive-deq     torch: dequantize the NVFP4 weight to bf16, then torch.matmul (what a user would write)
   minite-w4a4   ops.linear on an NVFP4 weight: fused activation quantize + W4A4 GEMM (end to end)
-  minite-gemm   the W4A4 GEMM kernel alone on pre-quantized activations
+  minite-gemm   the W4A4 GEMM kernel alone on pre-quantized activations (S = gemm.k_chunks(N, K) K chunks;
+                for M <= 128 and S > 1 split over programs + a combine kernel)
+  minite-gemm-walk  M <= 128, S > 1: the same bits with the chunks walked in one program (SPLIT_K = False)
 and the activation-quantize kernel's bandwidth against a plain device copy. It also checks, on the GPU,
 that the swapped narrow tiles (M <= 128: BLOCK_M 16/32/64/128) give the same bits as the wide ones (the
 condition for SMALL_M_TILES), and that the W4A4 output is invariant: row i of an M-row product == the
@@ -35,7 +37,8 @@ from minite_core.kernels import gemm as gemm_mod  # noqa: E402
 from minite_core.kernels import grouped_gemm as gg  # noqa: E402
 from minite_core.kernels.quantize import quantize_triton  # noqa: E402
 
-SHAPES = [(12288, 4096), (1536, 2048)]  # a dense projection; a MoE expert's gate_up (Qwen3-30B-A3B)
+# a dense projection; a MoE expert's gate_up (Qwen3-30B-A3B); Qwen3-0.6B's k/v projection (decode: S = 8 K chunks)
+SHAPES = [(12288, 4096), (1536, 2048), (1024, 1024)]
 MS = [1, 16, 64, 128, 256, 4096, 8192]
 GROUPED = [(8, 768, 1024, 2), (128, 768, 1024, 8)]  # (E, N, K, top-k): 8 experts; Qwen3-30B-A3B-like 128 top-8
 GROUPED_TOKENS = [1, 16, 64, 256, 1024, 4096]
@@ -67,6 +70,12 @@ def tile_config_check(n: int, k: int) -> dict:
             ok &= torch.equal(small, big[lo:lo + m])
         same_tiles[m] = bool(ok)
     gemm_mod.SMALL_M_TILES = default
+    for m in (1, 64):  # K chunks walked in one program (no split) == split over programs
+        rows = nvfp4.NVFP4Tensor(xq.data[:m], xq.scale[:m], xq.global_scale[:m], (m, k))
+        gemm_mod.SPLIT_K = False
+        walk = gemm_mod.gemm_triton(rows, w, None, torch.bfloat16)
+        gemm_mod.SPLIT_K = True
+        same_tiles[f"walk{m}"] = bool(torch.equal(walk, big[:m]))
     for lo in range(0, 4096, 512):
         one = ops.linear(x[lo:lo + 1], w, backend="triton")
         invariant &= torch.equal(one, ops.linear(x[: lo + 300], w, backend="triton")[lo:lo + 1])
@@ -87,7 +96,7 @@ def run(quick: bool) -> list[dict]:
             x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
             xq = quantize_triton(x, None)
             x_f8 = x.to(torch.float8_e4m3fn)
-            r = {"N": n, "K": k, "M": m}
+            r = {"N": n, "K": k, "M": m, "S": gemm_mod.k_chunks(n, k)}
             r["cublas-bf16"] = bench(lambda: torch.matmul(x, w_bf16.T))
             try:
                 r["fp8-scaled-mm"] = bench(lambda: torch._scaled_mm(x_f8, w_f8.T, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
@@ -100,6 +109,10 @@ def run(quick: bool) -> list[dict]:
                 gemm_mod.SMALL_M_TILES = False
                 r["minite-gemm-wide-tiles"] = bench(lambda: gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16))
                 gemm_mod.SMALL_M_TILES = True
+            if m <= gemm_mod.SWAP_MAX_M and r["S"] > 1:  # the K chunks in one program, for comparison
+                gemm_mod.SPLIT_K = False
+                r["minite-gemm-walk"] = bench(lambda: gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16))
+                gemm_mod.SPLIT_K = True
             rows.append(r)
             print(json.dumps(r), flush=True)
     return rows
@@ -232,11 +245,11 @@ def main():
     if args.grouped_only:
         return
 
-    print("\n   N     K     M | cuBLAS bf16 | fp8 mm | naive deq | minite w4a4 | gemm only | wide tiles  | w4a4 vs bf16 | TFLOP/s w4a4 (bf16)")
+    print("\n   N     K     M  S | cuBLAS bf16 | fp8 mm | naive deq | minite w4a4 | gemm only | no split  | wide tiles  | w4a4 vs bf16 | TFLOP/s w4a4 (bf16)")
     for r in rows:
         flop = 2 * r["M"] * r["N"] * r["K"]
-        print(f"{r['N']:5d} {r['K']:5d} {r['M']:5d} | {us(r['cublas-bf16'])}us | {us(r['fp8-scaled-mm'])} | {us(r['naive-deq'])} |"
-              f" {us(r['minite-w4a4'])}   | {us(r['minite-gemm'])} | {us(r.get('minite-gemm-wide-tiles'))}   |"
+        print(f"{r['N']:5d} {r['K']:5d} {r['M']:5d} {r['S']:2d} | {us(r['cublas-bf16'])}us | {us(r['fp8-scaled-mm'])} | {us(r['naive-deq'])} |"
+              f" {us(r['minite-w4a4'])}   | {us(r['minite-gemm'])} | {us(r.get('minite-gemm-walk'))} | {us(r.get('minite-gemm-wide-tiles'))}   |"
               f" {r['cublas-bf16'] / r['minite-w4a4']:6.2f}x      | {flop / r['minite-w4a4'] / 1e12:7.1f} ({flop / r['cublas-bf16'] / 1e12:6.1f})")
     print(f"\nquantize 8192x4096 bf16: {qbw['quantize_GBps']:.0f} GB/s vs copy {qbw['copy_GBps']:.0f} GB/s = {qbw['ratio']:.2f}")
 

@@ -41,7 +41,7 @@ def _bin(name: str) -> str:
 # --------------------------------------------------------------------------------------- sm_90, on the CPU
 
 _PTRS = dict(a_ptr="*u8", as_ptr="*u8", ags_ptr="*fp32", b_ptr="*u8", bs_ptr="*u8", bgs_ptr="*fp32",
-             bias_ptr="*bf16", c_ptr="*bf16", off_ptr="*i32")
+             bias_ptr="*bf16", c_ptr="*bf16", off_ptr="*i32", p_ptr="*fp32")
 
 
 def _source(kernel, constexprs: dict, scalars_one: tuple):
@@ -126,17 +126,25 @@ def mix(loop: list[tuple[int, str]]) -> Counter:
 def probe_sm90(out: Path) -> list[dict]:
     n, k = SHAPE
     cases = []
-    for m in (1, 16, 32, 64, 128, 4096):
-        cfg = _gpu_config(m, n, k)
-        const = dict(FP4=True, DOT_FP32=False, DOT_BY_SUM=False, EVEN_K=True, HAS_BIAS=False,
-                     SWAP_AB=cfg["SWAP_AB"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                     GROUP_M=cfg["GROUP_M"])
-        name = f"dense_M{m}_{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}_{'swap' if cfg['SWAP_AB'] else 'wide'}_w{cfg['num_warps']}s{cfg['num_stages']}"
-        cases.append((name, gemm_mod._gemm_kernel, const, cfg, ("stride_ags", "stride_bgs"), m))
+    # SHAPE (S = 2), plus the Qwen3-0.6B decode shape 1024 x 1024 (S = 8) and N = 16384 (S = 1)
+    for (n_, k_), ms in ((SHAPE, (1, 16, 32, 64, 128, 4096)), ((1024, 1024), (64, 4096)), ((16384, 4096), (4096,))):
+        for m in ms:
+            cfg = _gpu_config(m, n_, k_)
+            const = dict(FP4=True, DOT_FP32=False, DOT_BY_SUM=False, EVEN_K=True, HAS_BIAS=False,
+                         SWAP_AB=cfg["SWAP_AB"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                         GROUP_M=cfg["GROUP_M"], CHUNKED=cfg["CHUNKS"] > 1, SPLIT=cfg["SPLIT"])
+            kind = "split" if cfg["SPLIT"] else ("walk" if cfg["CHUNKS"] > 1 else "one")
+            name = (f"dense_{n_}x{k_}_M{m}_S{cfg['CHUNKS']}{kind}_{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}_"
+                    f"{'swap' if cfg['SWAP_AB'] else 'wide'}_w{cfg['num_warps']}s{cfg['num_stages']}")
+            cases.append((name, gemm_mod._gemm_kernel, const, cfg, ("stride_ags", "stride_bgs"), m))
+    cfg = dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=16, num_warps=4, num_stages=1)
+    cases.append(("combine_32x128", gemm_mod._combine_kernel, dict(HAS_BIAS=False, BLOCK_M=32, BLOCK_N=128), cfg,
+                  ("stride_ags", "stride_bgs", "S", "chunk_stride"), 32))
     for bm in (16, 64):
         cfg = dict(gemm_mod.SWAP_CONFIGS[bm], BLOCK_M=bm, BLOCK_K=gemm_mod.FP4_BLOCK_K, SWAP_AB=True)
-        const = dict(EVEN_K=True, SWAP_AB=True, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], E_PAD=128)
-        name = f"grouped_E128_{bm}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}_w{cfg['num_warps']}s{cfg['num_stages']}"
+        const = dict(EVEN_K=True, SWAP_AB=True, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], E_PAD=128,
+                     CHUNKED=gemm_mod.k_chunks(n, k) > 1)
+        name = f"grouped_E128_S{gemm_mod.k_chunks(n, k)}_{bm}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}_w{cfg['num_warps']}s{cfg['num_stages']}"
         cases.append((name, gg._grouped_kernel, const, cfg, ("stride_ags", "stride_bgse", "stride_bgsn"), bm))
     rows = []
     for name, kern, const, cfg, ones, m in cases:
@@ -182,15 +190,20 @@ def _gpu_config(m, n, k):
 def launch(xq, wq, m, n, k):
     import torch
 
-    cfg = gemm_mod.gemm_config(m, n, k, True)
+    cfg = dict(gemm_mod.gemm_config(m, n, k, True))
+    chunks, split = cfg.pop("CHUNKS"), cfg.pop("SPLIT")
+    chunk_k = triton.cdiv(triton.cdiv(k, cfg["BLOCK_K"]), chunks) * cfg["BLOCK_K"]
     c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    part = torch.empty(chunks, m, n, dtype=torch.float32, device="cuda") if split else c
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), chunks if split else 1)
     kern = gemm_mod._gemm_kernel[grid](
         xq.data, xq.scale.view(torch.uint8), xq.global_scale.reshape(-1), wq.data, wq.scale.view(torch.uint8),
-        wq.global_scale.reshape(-1), c, c, m, n, k, xq.data.stride(0), xq.scale.stride(0), 1,
+        wq.global_scale.reshape(-1), c, c, part, m, n, k, chunk_k, xq.data.stride(0), xq.scale.stride(0), 1,
         wq.data.stride(0), wq.scale.stride(0), 0, c.stride(0),
-        FP4=True, DOT_FP32=False, DOT_BY_SUM=False, HAS_BIAS=False, EVEN_K=k % cfg["BLOCK_K"] == 0, **cfg,
+        FP4=True, DOT_FP32=False, DOT_BY_SUM=False, HAS_BIAS=False, EVEN_K=k % cfg["BLOCK_K"] == 0,
+        CHUNKED=chunks > 1, SPLIT=split, **cfg,
     )
+    cfg.update(CHUNKS=chunks, SPLIT=split)
     return cfg, kern
 
 
@@ -208,7 +221,7 @@ def probe_gpu(out: Path, once: bool):
         torch.cuda.synchronize()
         if once:
             continue
-        name = f"M{m}_{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}_w{cfg['num_warps']}"
+        name = f"M{m}_S{cfg['CHUNKS']}{'split' if cfg['SPLIT'] else ''}_{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}_w{cfg['num_warps']}"
         (out / f"{name}.ttgir").write_text(kern.asm["ttgir"])
         (out / f"{name}.ptx").write_text(kern.asm["ptx"])
         sass = sass_of(kern.asm["cubin"])

@@ -110,27 +110,30 @@ def test_linear_matches_fp64_reference(backend, wkind, scale_mode):
 
 
 INVARIANCE_MS = [1, 5, 16, 17, 40, 64, 100, 128, 129, 300]
+# (N, K, S = the K chunks): S = 1 (one chain), S > 1 split over programs (M <= 128) or walked in one (M > 128)
+INVARIANCE_SHAPES = ([(40, 64, 1), (40, 128, 2), (40, 96, 2), (40, 256, 4), (40, 224, 4)] if DEVICE == "cpu" else
+                     [(17000, 1024, 1), (12288, 4096, 2), (1024, 1024, 8), (1536, 2048, 16), (1536, 2000, 16)])
 
 
 @pytest.mark.gpu if HAS_CUDA else pytest.mark.interpreter
 @pytest.mark.skipif(not __import__("conftest").HAS_TRITON, reason="triton missing")
 @pytest.mark.parametrize("wkind", ["nvfp4-tensor", "nvfp4-row"])
-@pytest.mark.parametrize("even_k", [True, False], ids=["even-k", "ragged-k"])
-def test_w4a4_gemm_rows_do_not_depend_on_the_tile_config(wkind, even_k):
+@pytest.mark.parametrize("n,k,chunks", INVARIANCE_SHAPES, ids=lambda v: str(v))
+def test_w4a4_gemm_rows_do_not_depend_on_the_tile_config(wkind, n, k, chunks):
     """The W4A4 kernel picks its tile by M (swapped narrow tiles of 16/32/64/128 columns up to M = 128,
-    wide tiles above): gemm(x[:1]) == gemm(x)[:1] and every row of an M-row product == the same row of
-    the 300-row product, bit for bit, for M across every bucket."""
-    from minite_core.kernels.gemm import gemm_config, gemm_triton
+    wide tiles above) and, where (N, K) has K chunks, runs them in separate programs plus a combine kernel
+    (M <= 128) or in sequence in one program (M > 128): gemm(x[:1]) == gemm(x)[:1] and every row of an
+    M-row product == the same row of the 300-row product, bit for bit, for M across every bucket."""
+    from minite_core.kernels.gemm import gemm_config, gemm_triton, k_chunks
 
-    if DEVICE == "cpu":
-        n, k = 40, 128 if even_k else 96
-    else:
-        n, k = 1536, 2048 if even_k else 2000
+    assert k_chunks(n, k) == chunks
     w = _weights(n, k, seed=31)[wkind]
     xq = nvfp4.quantize(_rand(max(INVARIANCE_MS), k, seed=32))
-    configs = {(c["BLOCK_M"], c["BLOCK_N"], c["SWAP_AB"]) for c in (gemm_config(m, n, k, True) for m in INVARIANCE_MS)}
+    cfgs = [gemm_config(m, n, k, True) for m in INVARIANCE_MS]
+    configs = {(c["BLOCK_M"], c["BLOCK_N"], c["SWAP_AB"], c["SPLIT"]) for c in cfgs}
     assert len(configs) >= 5, configs  # the test crosses tile configs
-    assert len({gemm_config(m, n, k, True)["BLOCK_K"] for m in INVARIANCE_MS}) == 1
+    assert len({(c["BLOCK_K"], c["CHUNKS"]) for c in cfgs}) == 1
+    assert {c["SPLIT"] for c in cfgs} == ({False, True} if chunks > 1 else {False})
 
     def rows(lo, hi):
         return nvfp4.NVFP4Tensor(xq.data[lo:hi], xq.scale[lo:hi], xq.global_scale[lo:hi], (hi - lo, k))
@@ -144,6 +147,21 @@ def test_w4a4_gemm_rows_do_not_depend_on_the_tile_config(wkind, even_k):
             assert torch.equal(y, ref[:m]), f"M={m}: rows differ from the same rows in the 300-row product"
         for lo, m in ((7, 1), (33, 17), (150, 100), (171, 129)):  # rows at other positions in their tiles
             assert torch.equal(gemm_triton(rows(lo, lo + m), w, None, dtype), ref[lo:lo + m]), (lo, m)
+    # with a bias: the combine kernel's epilogue == the one-program epilogue
+    bias = _rand(1, n, seed=33)[0].to(torch.bfloat16)
+    ref = gemm_triton(rows(0, 300), w, bias, torch.bfloat16)
+    for m in (5, 129):
+        assert torch.equal(gemm_triton(rows(0, m), w, bias, torch.bfloat16), ref[:m]), f"bias, M={m}"
+    # close to the torch reference (fp32 accumulation error bound)
+    exact = reference.mm_nvfp4(rows(0, 300), w)
+    mag = reference.mm_nvfp4(_nvfp4_abs(rows(0, 300)), _nvfp4_abs(w))
+    got = gemm_triton(rows(0, 300), w, None, torch.float32)
+    assert ((got - exact).abs() / (mag + 1e-30)).max().item() < k * 2**-24
+
+
+def _nvfp4_abs(t):
+    """The same NVFP4 tensor with every sign bit cleared."""
+    return nvfp4.NVFP4Tensor(t.data & 0x77, t.scale, t.global_scale, t.shape)
 
 
 def test_torch_nvfp4_fast_path_equals_the_fixed_tree_order():

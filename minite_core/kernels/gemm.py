@@ -14,8 +14,17 @@ Hopper-specific part: a Blackwell path would hand the same packed bytes and scal
 Tiles by M (`gemm_config`): M <= 128 takes swapped narrow tiles, the weight tile as the MMA's first
 operand (wgmma M = 64 rows of w per warpgroup, from registers) and the activations as its N, BLOCK_M =
 16, 32, 64 or 128 (the narrowest power of two >= M); larger M takes 128x256 / 128x128 tiles with x as
-the first operand. BLOCK_K (128 on the GPU) is one constant for every M, and there is no split-K and no
-autotuning: one K-reduction order per (N, K).
+the first operand. BLOCK_K (128 on the GPU) is one constant for every M, and there is no autotuning.
+
+K chunks (`k_chunks(N, K)`, a function of (N, K) only): the K loop is cut into S chunks of equal step
+count (S a power of two dividing cdiv(K, BLOCK_K); S > 1 where N alone gives too few programs to fill
+the GPU, e.g. S = 8 for N = K = 1024). The reduction order for (N, K) is then: per chunk, the MMA chain
+from zero over the chunk's steps (c_i); across chunks total = ((0 + c0) + c1) + ... in fp32, left to
+right; then the epilogue. M <= 128 (SPLIT): grid (tiles, S), program (t, i) writes c_i of its tile to
+an fp32 scratch [S, M, N] (torch.empty in the launcher: no sync, graph-capturable) and `_combine_kernel`
+adds the S partials in chunk order and applies the epilogue. M > 128 and the grouped kernel: one program
+walks the chunks in order, a second accumulator `total` in registers (`w4a4_tile` with CHUNKED), no
+scratch; with S > 1 the wide tile is 128x128 (a 128x256 tile with two accumulators would spill).
 
 Why a row's bits cannot depend on the tile (so M, the other rows, and the config chosen for M do not
 matter):
@@ -23,10 +32,12 @@ matter):
    exact in fp32 (and in the tensor core, which forms fp16 products exactly); swapping the operands
    (w as A, x as B) gives the same products. (The 8 products of one half-block share one scale
    product and sum exactly: <= 8 * 144 quarter-units times an 8-bit scale product.)
-2. The K order is a function of BLOCK_K alone: steps of BLOCK_K from k = 0, each step first its even
-   elements then its odd ones (BLOCK_K/2 columns each), and `tl.dot` splits each into k16 MMA chunks
-   issued low to high into the one fp32 accumulator. BLOCK_M, BLOCK_N, SWAP_AB, warps and stages change
-   which output elements a program holds, never the chain of k16 chunks that builds one element.
+2. The K order is a function of BLOCK_K and S = k_chunks(N, K) alone: steps of BLOCK_K from k = 0,
+   each step first its even elements then its odd ones (BLOCK_K/2 columns each), and `tl.dot` splits
+   each into k16 MMA chunks issued low to high into the chunk's fp32 accumulator, which starts from zero
+   at every chunk boundary. BLOCK_M, BLOCK_N, SWAP_AB, SPLIT, warps and stages change which output
+   elements a program holds, and where a chunk sum waits (registers or the fp32 scratch, which stores it
+   exactly), never the chain of k16 chunks that builds one chunk sum of one element.
 3. An MMA computes each output element as a function of that element's accumulator and its own 16
    products only: rows of A never mix, nor columns of B, and the per-element datapath does not depend
    on the instruction's N (n16 .. n256) or on whether the element sits in A's rows or B's columns. All
@@ -34,11 +45,15 @@ matter):
    swapped tile's MMA-M is BLOCK_N = 64 rows of w per warpgroup; bench/gemm_probe.py prints the MMA
    version from the TTGIR). This is the hardware property the GPU run of the invariance tests checks;
    under the interpreter the fp16 dot is numpy's own loop, per element as well.
-4. The epilogue is per element, (acc * gs_x[m]) * gs_w[n] (+ bias), two fp32 roundings in a fixed
-   order. Out-of-range rows and columns load zeros, are never stored, and cannot reach a valid row.
-So a config may vary with M in everything but BLOCK_K, the even/odd split and the accumulator; the
+4. The chunk combine is the same sequence of fp32 additions in both places: total = 0, then
+   total = total + c_i for i = 0 .. S-1 (the walk does it at each chunk's last step, the combine kernel
+   over the scratch), each a correctly rounded fp32 add. S = 1 skips it in every config (acc = c_0).
+5. The epilogue is per element, (total * gs_x[m]) * gs_w[n] (+ bias), two fp32 roundings in a fixed
+   order, one helper (`w4a4_epilogue`, `_store_out`) for the one-program, combine and grouped kernels.
+   Out-of-range rows and columns load zeros, are never stored, and cannot reach a valid row.
+So a config may vary with M in everything but BLOCK_K, S, the even/odd split and the combine order; the
 tests compare gemm(x[:1]) with gemm(x)[:1] and each row alone with the row in a batch, for M across
-every bucket (1 .. 300), and the grouped kernel with this one.
+every bucket (1 .. 300) and shapes with S = 1, 2, 4 (split and walk), and the grouped kernel with this one.
 
 Under TRITON_INTERPRET=1 (CPU tests) tiles are smaller (BLOCK_K = 64, the same bucket structure), and
 the plain (non-FP4) path multiplies tiles with an elementwise product and `tl.sum` instead of `tl.dot`:
@@ -88,19 +103,30 @@ def decode_nvfp4_pairs(packed, scale):
 
 @triton.jit
 def w4a4_tile(
-    a_ptr, as_ptr, b_ptr, bs_ptr, offs_m, mask_m, offs_n, mask_n, K,
+    a_ptr, as_ptr, b_ptr, bs_ptr, offs_m, mask_m, offs_n, mask_n, K, k_lo, k_hi, chunk_k,
     stride_am, stride_asm, stride_bn, stride_bsn,
-    EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, CHUNKED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """sum_k (code * block scale)_x[m, k] * (code * block scale)_w[n, k] for one [BLOCK_M, BLOCK_N] tile, fp32.
+    """sum_k (code * block scale)_x[m, k] * (code * block scale)_w[n, k] over k in [k_lo, k_hi) for one
+    [BLOCK_M, BLOCK_N] tile, fp32.
 
-    The K order is fixed by BLOCK_K alone: steps of BLOCK_K, and inside a step first the BLOCK_K/2 even
-    elements, then the odd ones, each fed to the MMA in k16 chunks from low to high k. The dense and the
-    grouped kernel both call this, so a row gets the same bits from either.
+    The K order is fixed by BLOCK_K and the K chunks (`k_chunks`, a function of (N, K)) alone: steps of
+    BLOCK_K, and inside a step first the BLOCK_K/2 even elements, then the odd ones, each fed to the MMA
+    in k16 chunks from low to high k, into one accumulator per chunk of `chunk_k` elements (started from
+    zero). CHUNKED (more than one chunk for this (N, K)): the chunk sums are added into `total` in chunk
+    order, total = ((0 + c0) + c1) + ..., and `total` is returned; else the one accumulator is.
+    [k_lo, k_hi) is either all of K or one chunk (the split programs, with CHUNKED = False: they return the
+    chunk's chain c_i and `_combine_kernel` does the same additions). The dense and the grouped kernel
+    both call this, so a row gets the same bits from either.
     """
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    if CHUNKED:
+        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        total_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k0 = tl.multiple_of(k0, BLOCK_K)  # k_lo is a multiple of BLOCK_K: keeps the loads vectorized
         kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte (= element pair) index
         ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)  # block-scale index
         if EVEN_K:  # no mask along K, so the byte loads vectorize
@@ -128,19 +154,72 @@ def w4a4_tile(
         else:
             acc = tl.dot(a_even, tl.trans(b_even), acc)
             acc = tl.dot(a_odd, tl.trans(b_odd), acc)
+        if CHUNKED:
+            # the last step of a chunk (chunks start at multiples of chunk_k; the last one ends at K)
+            if ((k0 + BLOCK_K) % chunk_k == 0) | (k0 + BLOCK_K >= k_hi):
+                if SWAP_AB:
+                    total_t = total_t + acc_t
+                    acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+                else:
+                    total = total + acc
+                    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if CHUNKED:
+        acc = total
+        acc_t = total_t
     if SWAP_AB:
         acc = tl.trans(acc_t)
     return acc
 
 
 @triton.jit
+def w4a4_epilogue(acc, ags_ptr, stride_ags, bgs_ptr, stride_bgs, offs_m, mask_m, offs_n, mask_n):
+    """(acc * gs_x[m]) * gs_w[n]: two fp32 roundings in a fixed order, per element."""
+    gsa = tl.load(ags_ptr + offs_m * stride_ags, mask=mask_m, other=1.0)
+    gsb = tl.load(bgs_ptr + offs_n * stride_bgs, mask=mask_n, other=1.0)
+    return (acc * gsa[:, None]) * gsb[None, :]
+
+
+@triton.jit
+def _store_out(acc, bias_ptr, c_ptr, stride_cm, offs_m, mask_m, offs_n, mask_n, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    c = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    p_ptr, ags_ptr, bgs_ptr, bias_ptr, c_ptr, M, N, S, chunk_stride,
+    stride_ags, stride_bgs, stride_cm,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The split programs' chunk sums [S, M, N] (fp32) -> out: total = ((0 + c0) + c1) + ... in chunk
+    order, then the dense kernel's epilogue: the same fp32 operations, in the same order, as the chunk walk
+    in `w4a4_tile` followed by the one-program epilogue."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    mask = mask_m[:, None] & mask_n[None, :]
+    ptrs = p_ptr + offs_m[:, None] * N + offs_n[None, :]
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for s in range(0, S):
+        total = total + tl.load(ptrs + s * chunk_stride, mask=mask, other=0.0)
+    acc = w4a4_epilogue(total, ags_ptr, stride_ags, bgs_ptr, stride_bgs, offs_m, mask_m, offs_n, mask_n)
+    _store_out(acc, bias_ptr, c_ptr, stride_cm, offs_m, mask_m, offs_n, mask_n, HAS_BIAS)
+
+
+@triton.jit
 def _gemm_kernel(
-    a_ptr, as_ptr, ags_ptr, b_ptr, bs_ptr, bgs_ptr, bias_ptr, c_ptr,
-    M, N, K,
+    a_ptr, as_ptr, ags_ptr, b_ptr, bs_ptr, bgs_ptr, bias_ptr, c_ptr, p_ptr,
+    M, N, K, chunk_k,
     stride_am, stride_asm, stride_ags, stride_bn, stride_bsn, stride_bgs, stride_cm,
     FP4: tl.constexpr, DOT_FP32: tl.constexpr, DOT_BY_SUM: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, HAS_BIAS: tl.constexpr,
+    CHUNKED: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
+    """FP4: SPLIT, program (tile, c) writes chunk c's partial of its tile to p_ptr [S, M, N] (fp32) and
+    `_combine_kernel` finishes; else the program walks every chunk in order and finishes itself."""
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
@@ -155,11 +234,19 @@ def _gemm_kernel(
     mask_m = offs_m < M
     mask_n = offs_n < N
     if FP4:
-        acc = w4a4_tile(a_ptr, as_ptr, b_ptr, bs_ptr, offs_m, mask_m, offs_n, mask_n, K,
-                        stride_am, stride_asm, stride_bn, stride_bsn, EVEN_K, SWAP_AB, BLOCK_M, BLOCK_N, BLOCK_K)
-        gsa = tl.load(ags_ptr + offs_m * stride_ags, mask=mask_m, other=1.0)
-        gsb = tl.load(bgs_ptr + offs_n * stride_bgs, mask=mask_n, other=1.0)
-        acc = (acc * gsa[:, None]) * gsb[None, :]
+        if SPLIT:
+            pid_k = tl.program_id(1)
+            k_lo = tl.multiple_of(pid_k * chunk_k, BLOCK_K)  # so the scale loads keep their vector width
+            acc = w4a4_tile(a_ptr, as_ptr, b_ptr, bs_ptr, offs_m, mask_m, offs_n, mask_n, K, k_lo, tl.minimum(k_lo + chunk_k, K),
+                            chunk_k, stride_am, stride_asm, stride_bn, stride_bsn, EVEN_K, SWAP_AB, False,
+                            BLOCK_M, BLOCK_N, BLOCK_K)  # one chunk: its raw chain c_i (no second accumulator)
+            p = p_ptr + pid_k.to(tl.int64) * M * N + offs_m[:, None] * N + offs_n[None, :]
+            tl.store(p, acc, mask=mask_m[:, None] & mask_n[None, :])
+        else:
+            acc = w4a4_tile(a_ptr, as_ptr, b_ptr, bs_ptr, offs_m, mask_m, offs_n, mask_n, K, 0, K, chunk_k,
+                            stride_am, stride_asm, stride_bn, stride_bsn, EVEN_K, SWAP_AB, CHUNKED, BLOCK_M, BLOCK_N, BLOCK_K)
+            acc = w4a4_epilogue(acc, ags_ptr, stride_ags, bgs_ptr, stride_bgs, offs_m, mask_m, offs_n, mask_n)
+            _store_out(acc, bias_ptr, c_ptr, stride_cm, offs_m, mask_m, offs_n, mask_n, HAS_BIAS)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -174,10 +261,7 @@ def _gemm_kernel(
                 acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    c = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        _store_out(acc, bias_ptr, c_ptr, stride_cm, offs_m, mask_m, offs_n, mask_n, HAS_BIAS)
 
 
 # M <= SWAP_MAX_M uses the swapped narrow tiles: the weights are the MMA's first operand (wgmma's M = 64 per
@@ -202,9 +286,42 @@ def swap_block_m(m: int) -> int:
     return max(16, triton.next_power_of_2(max(m, 1)))
 
 
+# K chunks: the K loop is cut into S chunks of equal step count, S from (N, K) alone (`k_chunks`). Within a
+# chunk the MMA chain accumulates from zero; chunk sums are added in chunk order. S > 1 only where the
+# swapped tiles of N would leave the GPU short of programs: S is the smallest power of two with
+# cdiv(N, CHUNK_TILE_N) * S >= CHUNK_TARGET_PROGRAMS, halved until it divides the step count cdiv(K, BLOCK_K).
+CHUNK_TARGET_PROGRAMS = 2 * 132  # two programs per H200 SM (a constant: the bits must not depend on the GPU)
+CHUNK_TILE_N = 64  # the swapped tiles' BLOCK_N
+SPLIT_K = True  # bench/gemm.py only: False runs the chunk walk in one program for every M (same bits)
+
+
+def k_chunks(n: int, k: int) -> int:
+    """S, the number of K chunks for an (N, K) weight: a function of (N, K) only, never of M."""
+    if interpreting():  # small shapes: 8 programs, BLOCK_N = 32, BLOCK_K = 64, so the tests get S = 1, 2, 4
+        target, tile_n, block_k = 8, 32, 64
+    else:
+        target, tile_n, block_k = CHUNK_TARGET_PROGRAMS, CHUNK_TILE_N, FP4_BLOCK_K
+    steps = triton.cdiv(max(k, 1), block_k)
+    s = 1
+    while triton.cdiv(n, tile_n) * s < target and steps % (2 * s) == 0:
+        s *= 2
+    return s
+
+
 def gemm_config(m: int, n: int, k: int, fp4: bool) -> dict:
-    """The tile configuration for (M, N, K). BLOCK_K, and with it the reduction order, depends on (N, K)
-    only (here: a constant); BLOCK_M, BLOCK_N, warps, stages and SWAP_AB may depend on M."""
+    """The tile configuration for (M, N, K). BLOCK_K and CHUNKS (the K chunks), and with them the
+    reduction order, depend on (N, K) only; BLOCK_M, BLOCK_N, warps, stages, SWAP_AB and SPLIT (chunks in
+    separate programs + a combine kernel, or walked in one program) may depend on M."""
+    cfg = _tile_config(m, n, k, fp4)
+    if fp4:
+        chunks = k_chunks(n, k)
+        cfg = dict(cfg, CHUNKS=chunks, SPLIT=bool(SPLIT_K and chunks > 1 and cfg["SWAP_AB"]))
+        if chunks > 1 and not cfg["SWAP_AB"] and cfg["BLOCK_N"] > 128 and not interpreting():
+            cfg["BLOCK_N"] = 128  # the walk keeps a second accumulator: 128x256 would spill
+    return cfg
+
+
+def _tile_config(m: int, n: int, k: int, fp4: bool) -> dict:
     if interpreting():  # smaller tiles, same bucket structure as on the GPU, so the tests cross configs
         if fp4:
             if m <= SWAP_MAX_M:
@@ -212,7 +329,7 @@ def gemm_config(m: int, n: int, k: int, fp4: bool) -> dict:
             return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=1, SWAP_AB=False)
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1, SWAP_AB=False)
     if fp4 and CONFIG_OVERRIDE:
-        return dict(CONFIG_OVERRIDE, BLOCK_K=FP4_BLOCK_K)
+        return dict(dict(SWAP_AB=False, GROUP_M=8), **CONFIG_OVERRIDE, BLOCK_K=FP4_BLOCK_K)
     if fp4:
         if SMALL_M_TILES and m <= SWAP_MAX_M:
             bm = swap_block_m(m)
@@ -236,8 +353,13 @@ def gemm_triton(x, w, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torc
     c = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
         return c
-    cfg = gemm_config(m, n, k, fp4)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    cfg = dict(gemm_config(m, n, k, fp4))
+    cfg.setdefault("SWAP_AB", False)
+    chunks = cfg.pop("CHUNKS", 1)
+    split = cfg.pop("SPLIT", False)
+    bk = cfg["BLOCK_K"]
+    chunk_k = triton.cdiv(triton.cdiv(k, bk), chunks) * bk  # elements per chunk (a multiple of BLOCK_K)
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     if fp4:
         ags, s_ags = _flat_gs(x)
         bgs, s_bgs = _flat_gs(w)
@@ -248,10 +370,18 @@ def gemm_triton(x, w, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torc
         args = (x, x, x, w, w, w)
         strides = (x.stride(0), 0, 0, w.stride(0), 0, 0)
         dot_fp32 = x.dtype == torch.float32
-    cfg = dict(cfg)
-    cfg.setdefault("SWAP_AB", False)
-    _gemm_kernel[grid](
-        *args, bias if bias is not None else c, c, m, n, k, *strides, c.stride(0),
-        FP4=fp4, DOT_FP32=dot_fp32, DOT_BY_SUM=interpreting() and not fp4, EVEN_K=k % cfg["BLOCK_K"] == 0, HAS_BIAS=bias is not None, **cfg,
+    bias_arg = bias if bias is not None else c
+    # split: chunk partials [S, M, N] fp32 (torch.empty: no sync, graph-capturable), then the combine kernel
+    part = torch.empty(chunks, m, n, dtype=torch.float32, device=x.device) if split else c
+    _gemm_kernel[(tiles, chunks if split else 1)](
+        *args, bias_arg, c, part, m, n, k, chunk_k, *strides, c.stride(0),
+        FP4=fp4, DOT_FP32=dot_fp32, DOT_BY_SUM=interpreting() and not fp4, EVEN_K=k % bk == 0, HAS_BIAS=bias is not None,
+        CHUNKED=chunks > 1, SPLIT=split, **cfg,
     )
+    if split:
+        cbm, cbn = (16, 32) if interpreting() else (32, 128)
+        _combine_kernel[(triton.cdiv(m, cbm), triton.cdiv(n, cbn))](
+            part, ags, bgs, bias_arg, c, m, n, chunks, m * n, s_ags, s_bgs, c.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=cbm, BLOCK_N=cbn, num_warps=4,
+        )
     return c

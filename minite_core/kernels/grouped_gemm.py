@@ -15,8 +15,9 @@ it with the routing changing between replays. The grid is (N tiles, an upper bou
 expert e needs ceil(n_e / BLOCK_M) row tiles, and the sum over experts is at most
 (T + min(E, T) * (BLOCK_M - 1)) // BLOCK_M. Each program loads the E + 1 offsets, prefix-sums the
 experts' tile counts on the device, finds the expert that owns its row tile (or exits: the bound is
-loose), and runs the dense kernel's tile (`gemm.w4a4_tile`: same decode, same BLOCK_K, same K order,
-same epilogue) on that expert's rows and weight. So a row's bits equal the dense kernel's for that
+loose), and runs the dense kernel's tile (`gemm.w4a4_tile`: same decode, same BLOCK_K, same K chunks
+`gemm.k_chunks(N, K)`, walked in chunk order in the program, same epilogue) on that expert's rows and
+weight. So a row's bits equal the dense kernel's for that
 row and expert, `grouped_gemm(xq, w, offs)[rows of e] == gemm_triton(xq[rows of e], w_e)`, for every
 routing (tests/test_grouped_gemm.py checks it bit for bit).
 """
@@ -29,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ..nvfp4 import NVFP4Tensor
-from .gemm import FP4_BLOCK_K, SWAP_CONFIGS, interpreting, swap_block_m, w4a4_tile
+from .gemm import FP4_BLOCK_K, SWAP_CONFIGS, interpreting, k_chunks, swap_block_m, w4a4_epilogue, w4a4_tile
 
 
 class MoeSort(NamedTuple):
@@ -95,10 +96,10 @@ CONFIG_OVERRIDE: dict | None = None  # tests and benchmarks: force a tile config
 @triton.jit
 def _grouped_kernel(
     a_ptr, as_ptr, ags_ptr, b_ptr, bs_ptr, bgs_ptr, off_ptr, c_ptr,
-    N, K, E,
+    N, K, E, chunk_k,
     stride_am, stride_asm, stride_ags,
     stride_be, stride_bn, stride_bse, stride_bsn, stride_bgse, stride_bgsn, stride_cm,
-    E_PAD: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    E_PAD: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, CHUNKED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -120,11 +121,11 @@ def _grouped_kernel(
         mask_m = offs_m < row_hi
         mask_n = offs_n < N
         e64 = e.to(tl.int64)
+        # the dense kernel's K chunks, walked in order in this program
         acc = w4a4_tile(a_ptr, as_ptr, b_ptr + e64 * stride_be, bs_ptr + e64 * stride_bse, offs_m, mask_m, offs_n, mask_n, K,
-                        stride_am, stride_asm, stride_bn, stride_bsn, EVEN_K, SWAP_AB, BLOCK_M, BLOCK_N, BLOCK_K)
-        gsa = tl.load(ags_ptr + offs_m * stride_ags, mask=mask_m, other=1.0)
-        gsb = tl.load(bgs_ptr + e64 * stride_bgse + offs_n * stride_bgsn, mask=mask_n, other=1.0)
-        acc = (acc * gsa[:, None]) * gsb[None, :]
+                        0, K, chunk_k, stride_am, stride_asm, stride_bn, stride_bsn, EVEN_K, SWAP_AB, CHUNKED,
+                        BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = w4a4_epilogue(acc, ags_ptr, stride_ags, bgs_ptr + e64 * stride_bgse, stride_bgsn, offs_m, mask_m, offs_n, mask_n)
         c = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :]
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -150,6 +151,8 @@ def grouped_gemm(xq: NVFP4Tensor, w: NVFP4Tensor, expert_offsets: torch.Tensor,
         cfg.update(CONFIG_OVERRIDE)
         cfg["BLOCK_K"] = grouped_config(t, e, n, k)["BLOCK_K"]
     bm = cfg["BLOCK_M"]
+    chunks = k_chunks(n, k)  # the dense kernel's K chunks for (N, K): same reduction order
+    chunk_k = triton.cdiv(triton.cdiv(k, cfg["BLOCK_K"]), chunks) * cfg["BLOCK_K"]
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), (t + min(e, t) * (bm - 1)) // bm)
     ags = xq.global_scale
     s_ags = 0 if ags.dim() == 0 else ags.stride(0)
@@ -160,10 +163,10 @@ def grouped_gemm(xq: NVFP4Tensor, w: NVFP4Tensor, expert_offsets: torch.Tensor,
             raise ValueError(f"{name} needs a contiguous last dimension")
     _grouped_kernel[grid](
         xq.data, xq.scale.view(torch.uint8), ags, w.data, w.scale.view(torch.uint8), wgs, expert_offsets, c,
-        n, k, e,
+        n, k, e, chunk_k,
         xq.data.stride(0), xq.scale.stride(0), s_ags,
         w.data.stride(0), w.data.stride(1), w.scale.stride(0), w.scale.stride(1), s_ge, s_gn, c.stride(0),
-        E_PAD=triton.next_power_of_2(e), EVEN_K=k % cfg["BLOCK_K"] == 0, **cfg,
+        E_PAD=triton.next_power_of_2(e), EVEN_K=k % cfg["BLOCK_K"] == 0, CHUNKED=chunks > 1, **cfg,
     )
     return c
 
