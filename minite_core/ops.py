@@ -407,20 +407,30 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor, *,
-              scale: float | None = None, backend: str | None = None) -> torch.Tensor:
+              scale: float | None = None, backend: str | None = None, kv_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention, q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] -> fp32; see `reference.attention`
-    (torch backend) and `kernels.attention` (triton backend). Either way prefill == decode, bit for bit."""
+    (torch backend) and `kernels.attention` (triton backend). Either way prefill == decode, bit for bit.
+    `kv_rows` [B] (inference): k/v are a whole slot cache [S, Hkv, Tk, D], sequence b attends over row
+    kv_rows[b]; the same result as passing k[kv_rows], v[kv_rows], without copying the cache rows."""
     backend = resolve_backend(backend)
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"attention shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    rows_ok = q.shape[0] == k.shape[0] if kv_rows is None else tuple(kv_rows.shape) == (q.shape[0],)
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or not rows_ok or q.shape[3] != k.shape[3]:
+        raise ValueError(f"attention shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+                         + ("" if kv_rows is None else f", kv_rows {tuple(kv_rows.shape)}"))
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if backend == "triton":
-        from .kernels.attention import AttentionFunction
+        from .kernels.attention import AttentionFunction, attention_forward
 
         _check_triton_device(q, "q")
+        if kv_rows is not None:
+            if torch.is_grad_enabled() and q.requires_grad:
+                raise ValueError("attention over cache rows (kv_rows) is for inference: it has no backward")
+            return attention_forward(q, k, v, q_pos, kv_len, scale, kv_rows=kv_rows)
         return AttentionFunction.apply(q, k, v, q_pos, kv_len, scale)
+    if kv_rows is not None:
+        k, v = k[kv_rows], v[kv_rows]
     return reference.attention(q, k, v, q_pos, kv_len, scale)
 
 

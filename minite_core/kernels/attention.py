@@ -95,14 +95,15 @@ def _finish(l, acc):
 # head_dim either way.
 @triton.jit(do_not_specialize=["QPOS", "KVLEN", "spb", "spr", "NGRP", "GPK", "ROWS", "TK", "NSPLIT", "CPS"])
 def _attention_kernel(
-    Q, K, V, O, MS, LS, ACCS, QPOS, KVLEN,
+    Q, K, V, O, MS, LS, ACCS, QPOS, KVLEN, KVROW,
     sqb, sqg, sqr, skb, skh, skt, svb, svh, svt, sob, sog, sor, spb, spr,
     scale, NGRP, GPK, ROWS, TK, NSPLIT, CPS,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
-    DOT_BY_SUM: tl.constexpr, IEEE: tl.constexpr,
+    DOT_BY_SUM: tl.constexpr, IEEE: tl.constexpr, HAS_KVROW: tl.constexpr,
 ):
     bg = tl.program_id(0)
     b = bg // NGRP
+    kb = tl.load(KVROW + b).to(tl.int64) if HAS_KVROW else b  # the cache row (slot) of sequence b
     grp = bg % NGRP  # a query head (ROWS = its positions), or a KV head's query heads at one position
     kvh = grp // GPK
     tile = tl.cdiv(ROWS, BLOCK_M) - 1 - tl.program_id(1)  # latest positions (most keys) first
@@ -127,8 +128,8 @@ def _attention_kernel(
     for start in range(c_lo * SPLIT_N, end, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < kv_len
-        k = tl.load(K + b * skb + kvh * skh + cols[:, None] * skt + d[None, :], mask=col_ok[:, None], other=0.0)
-        v = tl.load(V + b * svb + kvh * svh + cols[:, None] * svt + d[None, :], mask=col_ok[:, None], other=0.0)
+        k = tl.load(K + kb * skb + kvh * skh + cols[:, None] * skt + d[None, :], mask=col_ok[:, None], other=0.0)
+        v = tl.load(V + kb * svb + kvh * svh + cols[:, None] * svt + d[None, :], mask=col_ok[:, None], other=0.0)
         if DOT_BY_SUM:
             s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
         elif IEEE:  # fp32 operands: full fp32 products, not TF32
@@ -202,13 +203,18 @@ def attention_config() -> tuple[int, int, int]:
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor,
-                      scale: float, *, split: bool | None = None) -> torch.Tensor:
+                      scale: float, *, split: bool | None = None, kv_rows: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] (a cache may be longer than kv_len), q_pos [B, Tq], kv_len [B] -> fp32 [B, Hq, Tq, D].
+
+    `kv_rows` [B]: k/v are a whole slot cache [S, Hkv, Tk, D] and sequence b reads its row kv_rows[b]
+    (no gather of the cache rows; the values, and so the bits, are those of k[kv_rows]).
 
     `split`: None picks the split (decode) launch when all Hq/Hkv * Tq query rows of a KV head fit one
     tile, the prefill launch otherwise; True / False force one. The bits are the same either way."""
     b, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
+    if kv_rows is not None:
+        kv_rows = kv_rows.to(torch.int32).contiguous()
     if d & (d - 1) or d < 16:
         raise ValueError(f"the Triton attention needs a power-of-two head_dim >= 16, got {d}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
@@ -241,12 +247,12 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
         ms = ls = accs = out  # not written
         grid, cps = (b * ngrp, tiles, 1), chunks
     _attention_kernel[grid](
-        q, k, v, out, ms, ls, accs, q_pos, kv_len,
+        q, k, v, out, ms, ls, accs, q_pos, kv_len, kv_rows if kv_rows is not None else kv_len,
         q.stride(0), sqg, sqr, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), sog, sor, q_pos.stride(0), spr,
         float(scale), ngrp, gpk, rows, tk, nsplit, cps,
         D=d, BLOCK_M=bm, BLOCK_N=bn, SPLIT_N=sn, DOT_BY_SUM=interpreting(), IEEE=q.dtype == torch.float32,
-        num_warps=NUM_WARPS, enable_fp_fusion=False,
+        HAS_KVROW=kv_rows is not None, num_warps=NUM_WARPS, enable_fp_fusion=False,
     )
     if nsplit > 1:
         br = 16

@@ -289,9 +289,12 @@ class Qwen3:
                 rows = slots.view(-1, 1).expand(b, t)  # write the new keys/values in place, then attend
                 cache.k[i][rows, :, positions] = k.transpose(1, 2)
                 cache.v[i][rows, :, positions] = v.transpose(1, 2)
-                k, v = cache.k[i][slots], cache.v[i][slots]
             if self.knobs.get("attention") == "sdpa":
+                if cache is not None:
+                    k, v = cache.k[i][slots], cache.v[i][slots]
                 a = ops.sdpa_attention(q, k, v, positions, kv_len)
+            elif cache is not None:  # attend over each sequence's cache row in place (no gather)
+                a = ops.attention(q, cache.k[i], cache.v[i], positions, kv_len, backend=self.backend, kv_rows=slots)
             else:
                 a = ops.attention(q, k, v, positions, kv_len, backend=self.backend)
             a = emit(n + "attention", a.to(self.dtype).transpose(1, 2).reshape(b, t, hq * d))
