@@ -27,7 +27,6 @@ import triton.language as tl
 
 from .gemm import interpreting
 
-GOLDEN = 0x9E3779B9
 
 
 @triton.jit
