@@ -37,14 +37,16 @@ class SubmitSummary(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., tokens: _Optional[int] = ..., logprob_abs_diff_max: _Optional[float] = ..., kl_k3: _Optional[float] = ..., bitwise_equal_ratio: _Optional[float] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("prompt_ids", "completion_ids", "temperature")
+    __slots__ = ("prompt_ids", "completion_ids", "temperature", "weight_version")
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_IDS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     completion_ids: _containers.RepeatedScalarFieldContainer[int]
     temperature: float
-    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ...) -> None: ...
+    weight_version: int
+    def __init__(self, prompt_ids: _Optional[_Iterable[int]] = ..., completion_ids: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("logprobs", "weight_version")

@@ -7,13 +7,17 @@ through the fp32 master weights), take the GRPO loss with rollout correction, cl
 AdamW, then re-quantize the masters once into the NVFP4 weights both engines use and bump the weight
 version. Metrics go to metrics.jsonl in the run directory (TRL's names for the sampling drift), and a
 PNG plot of reward and drift is drawn at the end. Checkpoints (safetensors: masters and optimizer
-state; JSON: step, weight version, RNG states, config) make `resume` continue to the same result.
+state; JSON: step, weight version, RNG states, config) make `resume` continue to the same result, and
+the trajectory log (wal.py) makes it survive a kill at any instant: each step's batch is recorded
+durably before it is trained on and replayed after a restart, so every trajectory is used once.
 """
 from __future__ import annotations
 
 import ast
 import dataclasses
+import hashlib
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -27,6 +31,9 @@ from ..model import load_model
 from ..nvfp4 import NVFP4Tensor
 from .grpo import GRPOConfig, group_advantages, grpo_loss
 from .tasks import EOS, AdditionTask
+from .wal import TrajectoryLog, latest, write_atomically
+
+log = logging.getLogger("minite.train")
 
 
 @dataclasses.dataclass
@@ -131,6 +138,7 @@ class Trainer:
             rollout = LocalRollout(self.engine)
         self.rollout = rollout
         self.last_drift = None  # (per-token |Δlogp| tensor, DriftStats) of the last step
+        self.wal: TrajectoryLog | None = None  # set by run(): batches recorded before training, replayed on resume
         self.learner = Learner(self.policy)
         # the frozen reference policy of the KL penalty (only when beta > 0)
         self.reference = Learner(load_model(cfg.model_dir, precision=cfg.precision)) if cfg.grpo.beta > 0 else None
@@ -156,11 +164,20 @@ class Trainer:
         task_rng = self.task.rng.getstate()
         problems = [self.task.sample() for _ in range(cfg.prompts_per_step)]
         prompts = [self.task.prompt_ids(a, b) for a, b in problems]
-        try:
-            outs = self._generate(prompts, g)
-        except Exception:
-            self.task.rng.setstate(task_rng)  # a retried step draws the same problems
-            raise
+        logged = self.wal.get(self.step_idx + 1) if self.wal is not None else None
+        if logged is not None:  # sampled before a crash, never trained on (or trained on and lost): replay it
+            if logged["problems"] != [list(p) for p in problems]:
+                raise RuntimeError(f"the trajectory log's step {self.step_idx + 1} holds other problems than this "
+                                   "run draws: it belongs to another run (start afresh without resume)")
+            outs = TrajectoryLog.completions(logged)
+        else:
+            try:
+                outs = self._generate(prompts, g)
+            except Exception:
+                self.task.rng.setstate(task_rng)  # a retried step draws the same problems
+                raise
+            if self.wal is not None:  # durably recorded before it is used: the acknowledgement
+                self.wal.append(self.step_idx + 1, problems, outs)
         t_rollout = time.perf_counter() - t0
         rewards = torch.tensor([self.task.reward(*problems[o.request_index], o.token_ids) for o in outs])
         adv = group_advantages(rewards, g.num_generations, g.scale_rewards)
@@ -203,7 +220,8 @@ class Trainer:
             "accuracy": float((rewards == 1.0).float().mean()), "entropy": float(torch.cat(ents).mean()),
             "grad_norm": float(grad_norm), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
             "rollout_seconds": t_rollout, "drift/bitwise_equal_ratio": drift.bitwise_equal_ratio,
-            "drift/kl_k3": drift.kl_k3,
+            "drift/kl_k3": drift.kl_k3, "replayed": logged is not None,
+            "batch_sha256": batch_digest(outs),
         })
         return metrics
 
@@ -261,6 +279,30 @@ class Trainer:
         self.sync_weights()  # back to the saved version, on the rollout side too
 
 
+def _read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSON-lines file; a torn last line (a crash mid-append) is dropped."""
+    if not path.exists():
+        return []
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise
+    return rows
+
+
+def batch_digest(outs: list) -> str:
+    """SHA-256 of a batch's completions (token ids, logprob bits, versions): which batch a step used."""
+    h = hashlib.sha256()
+    for o in outs:
+        h.update(json.dumps([o.prompt_ids, o.token_ids, o.weight_version, o.request_index, o.sample_index]).encode())
+        h.update(o.logprobs.to(torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 def run(cfg: TrainConfig, *, resume: bool = False, progress=True, rollout=None, on_step=None,
         trainer: Trainer | None = None, retry=None, stop=None) -> list[dict]:
     """Train for cfg.steps steps (continuing from run_dir's checkpoint with resume), writing
@@ -272,16 +314,24 @@ def run(cfg: TrainConfig, *, resume: bool = False, progress=True, rollout=None, 
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = trainer or Trainer(cfg, rollout)
     metrics_file = run_dir / "metrics.jsonl"
-    if resume and (run_dir / "checkpoint" / "trainer.json").exists():
-        trainer.load(run_dir / "checkpoint")
-        kept = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
-        kept = [m for m in kept if m["step"] <= trainer.step_idx]
+    wal_file = run_dir / "trajectories.wal"
+    checkpoint = latest(run_dir / "checkpoint") if resume else None
+    if checkpoint is not None:
+        trainer.load(checkpoint)
+        kept = [m for m in _read_jsonl(metrics_file) if m["step"] <= trainer.step_idx]
         metrics_file.write_text("".join(json.dumps(m) + "\n" for m in kept))
     else:
         metrics_file.write_text("")
-    history = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+        if not resume:  # (resume without a checkpoint: a crash before the first one; its batches replay from step 1)
+            wal_file.unlink(missing_ok=True)
+    trainer.wal = TrajectoryLog(wal_file)
+    if trainer.wal.records:
+        pending = sorted(s for s in trainer.wal.records if s > trainer.step_idx)
+        if pending:
+            log.info("resuming at step %d: replaying the logged batches of steps %s", trainer.step_idx + 1, pending)
+    history = _read_jsonl(metrics_file)
     summary_file = run_dir / "summary.json"
-    summary = json.loads(summary_file.read_text()) if resume and summary_file.exists() else {}
+    summary = json.loads(summary_file.read_text()) if checkpoint is not None and summary_file.exists() else {}
     def retrying(fn):
         while True:
             try:
@@ -292,6 +342,7 @@ def run(cfg: TrainConfig, *, resume: bool = False, progress=True, rollout=None, 
 
     if "before" not in summary:
         summary["before"] = retrying(trainer.evaluate)
+        summary_file.write_text(json.dumps(summary, indent=1))  # a resumed run keeps the first "before"
     bar = _progress(progress)
     with bar:
         task = bar.add_task("GRPO", total=cfg.steps, completed=trainer.step_idx)
@@ -311,7 +362,10 @@ def run(cfg: TrainConfig, *, resume: bool = False, progress=True, rollout=None, 
                 f"step {m['step']} reward {m['reward']:.3f} acc {m['accuracy']:.2f} "
                 f"drift {m['sampling/sampling_logp_difference/max']:.2g} {m['tokens_per_s']:.0f} tok/s"))
             if trainer.step_idx % cfg.checkpoint_every == 0 or trainer.step_idx == cfg.steps:
-                trainer.save(run_dir / "checkpoint")
+                write_atomically(run_dir / "checkpoint", trainer.save)
+                trainer.wal.drop_through(trainer.step_idx)
+    if trainer.step_idx < cfg.steps:  # stopped early (a service shutting down): no final evaluation
+        return history
     summary["after"] = retrying(trainer.evaluate)
     summary["steps"] = trainer.step_idx
     summary_file.write_text(json.dumps(summary, indent=1))

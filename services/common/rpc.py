@@ -3,6 +3,7 @@ the shared-token check, and client channels.
 
 Auth: methods listed as protected need the metadata `authorization: Bearer <token>`; a missing or
 wrong token is refused with UNAUTHENTICATED and logged with the method and peer, never the token.
+A request that does not parse as its message ends INVALID_ARGUMENT (grpc's own answer is INTERNAL).
 """
 from __future__ import annotations
 
@@ -39,10 +40,10 @@ class TokenInterceptor(grpc.ServerInterceptor):
         if token_ok(self.token, header):
             return continuation(details)
         reason = "missing" if not header else "wrong"
-        log.warning("refused %s: %s token", details.method, reason)
         handler = continuation(details)
 
         def deny(_request, context):
+            log.warning("refused %s from %s: %s token", details.method, context.peer(), reason)
             context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{reason} token: {details.method} needs "
                           "'authorization: Bearer <token>' metadata")
         if handler is not None and handler.request_streaming and handler.response_streaming:
@@ -54,6 +55,38 @@ class TokenInterceptor(grpc.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(deny)
 
 
+class DecodeInterceptor(grpc.ServerInterceptor):
+    """Parse requests ourselves so that bytes that are not the method's message end INVALID_ARGUMENT with
+    the message type named (grpc would answer INTERNAL "Exception deserializing request!")."""
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+        desc = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)
+        what = desc.full_name if desc is not None else "request"
+
+        def decode(raw, context):
+            try:
+                return parse(raw)
+            except Exception as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid {what} message: {e}")
+
+        out = handler.response_serializer
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(
+                lambda it, ctx: handler.stream_stream((decode(r, ctx) for r in it), ctx), response_serializer=out)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(
+                lambda it, ctx: handler.stream_unary((decode(r, ctx) for r in it), ctx), response_serializer=out)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                lambda raw, ctx: handler.unary_stream(decode(raw, ctx), ctx), response_serializer=out)
+        return grpc.unary_unary_rpc_method_handler(
+            lambda raw, ctx: handler.unary_unary(decode(raw, ctx), ctx), response_serializer=out)
+
+
 def message_options(max_mb: int) -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", max_mb * MB), ("grpc.max_send_message_length", max_mb * MB)]
 
@@ -62,7 +95,7 @@ def make_server(settings, service_names: list[str], add_servicers, *, protected:
     """A started gRPC server on settings.host:settings.grpc_port with health (SERVING for every service)
     and reflection; `add_servicers(server)` registers ours. Returns (server, bound port, health servicer)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
-                         interceptors=[TokenInterceptor(settings.token, protected)],
+                         interceptors=[TokenInterceptor(settings.token, protected), DecodeInterceptor()],
                          options=message_options(settings.max_message_mb), maximum_concurrent_rpcs=4 * workers)
     add_servicers(server)
     health_servicer = health.HealthServicer()

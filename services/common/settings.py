@@ -30,6 +30,9 @@ class _Common(BaseSettings):
     max_message_mb: int = Field(8, ge=5, le=64, description="gRPC message size limit, MiB, both directions "
                                                             "(above the 4 MiB largest weight chunk)")
     log_level: str = Field("info", description="debug, info, warning or error")
+    drain_timeout: float = Field(20.0, ge=0, le=3600, description="on SIGTERM/SIGINT: seconds the work in flight "
+                                 "(requests; the learner's step) gets to finish before it is cut; keep it below the "
+                                 "orchestrator's kill timeout (Kubernetes: 30 s, docker stop: 10 s by default)")
 
     @field_validator("precision")
     @classmethod
@@ -88,6 +91,7 @@ class LearnerSettings(_Common):
     learning_rate: float = Field(5e-4, gt=0)
     seed: int = 0
     chunk_mb: float = Field(2.0, ge=1.0, le=4.0, description="weight-push message size, MiB")
+    keep_versions: int = Field(4, ge=1, le=1024, description="recent weight versions kept for Score at an older version")
     exit_when_done: bool = Field(False, description="stop the service after the last step")
 
     @field_validator("rollout")

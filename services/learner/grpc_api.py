@@ -6,7 +6,7 @@ import grpc
 from minite.v1 import learner_pb2 as pb
 from minite.v1 import learner_pb2_grpc as pb_grpc
 
-from .runtime import LearnerRuntime, StaleVersion
+from .runtime import LearnerRuntime, StaleVersion, UnknownVersion
 
 PROTECTED = {"/minite.v1.LearnerService/SubmitTrajectories"}
 MAX_TRAJECTORIES = 4096  # per call: bounded memory (each is also bounded by the model's context)
@@ -37,9 +37,12 @@ class LearnerServicer(pb_grpc.LearnerServiceServicer):
 
     def Score(self, request, context):
         try:
-            lps, version = self.rt.score(list(request.prompt_ids), list(request.completion_ids), request.temperature or 1.0)
+            lps, version = self.rt.score(list(request.prompt_ids), list(request.completion_ids),
+                                         request.temperature or 1.0, request.weight_version)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except UnknownVersion as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         return pb.ScoreResponse(logprobs=lps, weight_version=version)
 
     def Status(self, request, context):

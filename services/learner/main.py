@@ -41,14 +41,42 @@ def serve(settings: LearnerSettings) -> bool:
                 runtime.thread.join()
                 http.should_exit = True
             threading.Thread(target=watch, daemon=True).start()
+    stopped = {"loop_was_running": False}
+
+    def stop_training():  # on SIGTERM/SIGINT: the step in progress finishes (or is cut), then the loop ends
+        for name in (SERVICE, ""):
+            health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        stopped["loop_was_running"] = runtime.thread.is_alive()
+        _stop_loop(runtime, settings.drain_timeout)
+
     try:
-        run_http(build_app(runtime), settings, on_ready=ready)
+        run_http(build_app(runtime), settings, on_ready=ready, on_stop=stop_training)
     finally:
         for name in (SERVICE, ""):
             health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        runtime.stop()
-        server.stop(grace=5).wait()
-    return not (runtime.last_error and not runtime.done)  # the training loop failed: a non-zero exit
+        if not stopped["loop_was_running"]:
+            stopped["loop_was_running"] = runtime.thread.is_alive()
+        _stop_loop(runtime, settings.drain_timeout)
+        server.stop(grace=3).wait()
+        log.info("stopped")
+    # a non-zero exit when the training loop failed on its own (not when it was stopped in a step that waited)
+    return stopped["loop_was_running"] or not (runtime.last_error and not runtime.done)
+
+
+def _stop_loop(runtime: LearnerRuntime, timeout: float) -> None:
+    """Stop the training loop: up to `timeout` s for the step in progress, then its calls to the rollout
+    replicas are cancelled (their channels closed), so no thread is left waiting on a replica that does
+    not answer (the process would otherwise hang at exit until the calls' own timeouts)."""
+    runtime.stopping.set()
+    if runtime.thread.is_alive():
+        runtime.thread.join(timeout)
+    if runtime.thread.is_alive():
+        log.warning("the step in progress did not end within %.0f s: cancelling its calls to the replicas", timeout)
+    for rep in runtime.rollout.replicas:
+        rep.channel.close()  # (a no-op once closed; the learner makes no more calls now)
+    if runtime.thread.is_alive():
+        runtime.thread.join(5)
+    runtime.rollout.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def main(argv: list[str]) -> int:

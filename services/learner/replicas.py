@@ -10,6 +10,7 @@ learner loop waits and reports instead of crashing.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -58,6 +59,9 @@ class RemoteRollout:
         self.chunk_bytes = int(settings.chunk_mb * (1 << 20))
         self.weights = None  # the latest version, kept to re-push to a replica that comes back
         self.version = 0
+        # recent versions (version -> weights), for scoring a completion sampled before the last push
+        self.history: collections.OrderedDict[int, dict] = collections.OrderedDict()
+        self.keep_versions = settings.keep_versions
         self.lock = threading.Lock()
 
     # -- generation -----------------------------------------------------------------------------
@@ -149,9 +153,12 @@ class RemoteRollout:
     def update(self, weights: dict, version: int) -> None:
         """Push `version` to every replica concurrently. The tensors are snapshotted (the learner mutates
         its dict in place on the next step)."""
-        snapshot = {n: t for n, t in weights.items()}
+        snapshot = {n: t for n, t in weights.items()}  # (requantize replaces tensors, never writes into them)
         with self.lock:
             self.weights, self.version = snapshot, version
+            self.history[version] = snapshot
+            while len(self.history) > self.keep_versions:
+                self.history.popitem(last=False)
         futs = {self.pool.submit(self._push, rep, snapshot, version): rep for rep in self.replicas}
         ok = 0
         for fut, rep in futs.items():

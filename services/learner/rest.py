@@ -1,5 +1,10 @@
 """The learner service's REST API: POST /v1/score, GET /v1/status, POST /v1/control (pause/resume,
-needs `Authorization: Bearer <token>`), GET /health, GET /metrics, the OpenAPI schema at /openapi.json."""
+needs `Authorization: Bearer <token>`), GET /health, GET /metrics, the OpenAPI schema at /openapi.json.
+
+Errors are {"error": {"message", "code"}} with 400 (bad request), 401 (missing or wrong token), 404
+(unknown path), 405 (wrong method), 415 (a body that is not JSON), as the OpenAPI schema lists them;
+request bodies are validated strictly (no "3" for an integer). GET /health answers 503 once the training
+loop has stopped on an error (the service still answers Score and Status, but no longer trains)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,27 +14,63 @@ from typing import Literal
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from minite_core.engine.rollout import MAX_TEMPERATURE, MIN_TEMPERATURE
 
 from ..common.rpc import token_ok
 from ..common.metrics import add_metrics_route
-from .runtime import LearnerRuntime
+from .runtime import LearnerRuntime, UnknownVersion
 
 log = logging.getLogger("minite.auth")
 
 
 class ScoreRequest(BaseModel):
+    model_config = ConfigDict(strict=True)  # no coercion: "3" is not a token id
+
     prompt_ids: list[int] = Field(..., min_length=1)
     completion_ids: list[int] = Field(..., min_length=1)
-    temperature: float = Field(1.0, description="0 is read as 1, as the rollout engine reports logprobs")
+    temperature: float = Field(1.0, ge=0, le=MAX_TEMPERATURE, description="0 is read as 1, as the rollout engine "
+                               f"reports logprobs; else at least {MIN_TEMPERATURE:g}")
+    weight_version: int = Field(0, ge=0, le=2**63 - 1, description="score at this recent weight version "
+                                "(0: the current one); 404 when the learner no longer keeps it")
 
 
 class ControlRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     action: Literal["pause", "resume"]
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    code: int
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
 def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+    return JSONResponse({"error": {"message": message or "error", "code": status}}, status_code=status)
+
+
+def _errors(*statuses: int) -> dict:
+    what = {400: "bad request (the message says which field and why)", 401: "missing or wrong token",
+            404: "a weight version the learner no longer keeps", 415: "the body is not JSON", 503: "the training loop stopped on an error, or the learner is shutting down"}
+    return {s: {"model": ErrorBody, "description": what[s]} for s in statuses}
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def loop_failed(rt: LearnerRuntime) -> bool:
+    """Has the training loop ended on an error (not finished, not stopped, not still waiting for a replica)?"""
+    t = rt.thread
+    return bool(rt.last_error) and not rt.running and not rt.done and t.ident is not None and not t.is_alive()
 
 
 def build_app(rt: LearnerRuntime) -> FastAPI:
@@ -38,22 +79,33 @@ def build_app(rt: LearnerRuntime) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
+        ctype = request.headers.get("content-type", "")
+        if request.method == "POST" and not _is_json(ctype):
+            return _error(415, f"the request body must be JSON (Content-Type: application/json), got "
+                          f"{ctype or 'no Content-Type'}")
         parts = [f"{'.'.join(str(x) for x in e['loc'] if x != 'body') or 'body'}: {e['msg']}" for e in exc.errors()]
         return _error(400, "; ".join(parts) or "invalid request")
 
-    @app.post("/v1/score")
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return _error(exc.status_code, str(exc.detail))
+
+    @app.post("/v1/score", responses=_errors(400, 404, 415))
     async def score(body: ScoreRequest):
         try:
-            lps, version = await asyncio.to_thread(rt.score, body.prompt_ids, body.completion_ids, body.temperature or 1.0)
+            lps, version = await asyncio.to_thread(rt.score, body.prompt_ids, body.completion_ids,
+                                                   body.temperature or 1.0, body.weight_version)
         except ValueError as e:
             return _error(400, str(e))
+        except UnknownVersion as e:
+            return _error(404, str(e))
         return {"logprobs": lps, "weight_version": version}
 
     @app.get("/v1/status")
     async def status():
         return rt.status()
 
-    @app.post("/v1/control")
+    @app.post("/v1/control", responses=_errors(400, 401, 415))
     async def control(body: ControlRequest, authorization: str | None = Header(None)):
         if not token_ok(rt.settings.token, authorization):
             log.warning("refused /v1/control: %s token", "missing" if not authorization else "wrong")
@@ -61,8 +113,32 @@ def build_app(rt: LearnerRuntime) -> FastAPI:
         (rt.paused.set if body.action == "pause" else rt.paused.clear)()
         return rt.status()
 
-    @app.get("/health")
+    @app.get("/health", responses=_errors(503))
     async def health():
+        if loop_failed(rt):
+            return JSONResponse({"status": "failed", "weight_version": rt.version, "step": rt.trainer.step_idx,
+                                 "error": {"message": f"the training loop stopped: {rt.last_error}", "code": 503}},
+                                status_code=503)
+        if rt.stopping.is_set():
+            return JSONResponse({"status": "draining", "weight_version": rt.version, "step": rt.trainer.step_idx,
+                                 "error": {"message": "the learner is shutting down", "code": 503}}, status_code=503)
         return {"status": "ok", "weight_version": rt.version, "step": rt.trainer.step_idx}
 
+    _strip_422(app)
     return app
+
+
+def _strip_422(app: FastAPI) -> None:
+    """FastAPI documents a 422 for every operation with input; this app answers 400 instead (documented)."""
+    build = app.openapi
+
+    def openapi():
+        if app.openapi_schema is None:
+            schema = build()
+            for item in schema.get("paths", {}).values():
+                for op in item.values():
+                    op.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return app.openapi_schema
+    app.openapi = openapi

@@ -32,6 +32,10 @@ class StaleVersion(ValueError):
     """Trajectories sampled at a weight version other than the learner's."""
 
 
+class UnknownVersion(LookupError):
+    """A weight version the learner no longer keeps (or never had)."""
+
+
 class _LockedTrainer(Trainer):
     """A Trainer whose steps hold the runtime's lock (Score and SubmitTrajectories run between steps)."""
 
@@ -121,8 +125,14 @@ class LearnerRuntime:
             run(self.cfg, resume=True, progress=False, trainer=self.trainer, on_step=self._on_step,
                 retry=self._retry, stop=self._stop)
             self.done = not self.stopping.is_set()
-            log.info("training finished: %d steps, weight version %d", self.trainer.step_idx, self.trainer.version)
+            if self.done:
+                log.info("training finished: %d steps, weight version %d", self.trainer.step_idx, self.trainer.version)
+            else:
+                log.info("stopped at step %d, weight version %d", self.trainer.step_idx, self.trainer.version)
         except Exception as e:  # report, keep serving Score/Status
+            if self.stopping.is_set():  # a step cut by the shutdown (its replica calls cancelled)
+                log.info("stopped during step %d: %s", self.trainer.step_idx + 1, e)
+                return
             self.last_error = f"{type(e).__name__}: {e}"
             log.exception("the training loop stopped")
         finally:
@@ -152,13 +162,30 @@ class LearnerRuntime:
             raise ValueError(f"trajectory {i}: {len(lps)} logprobs for {len(t['completion_ids'])} completion tokens")
         if not all(math.isfinite(x) and x <= 0 for x in lps):
             raise ValueError(f"trajectory {i}: rollout logprobs must be finite and <= 0")
+        if not math.isfinite(t["reward"]):
+            raise ValueError(f"trajectory {i}: reward must be finite, got {t['reward']!r}")
 
-    def score(self, prompt: list[int], completion: list[int], temperature: float = 1.0) -> tuple[list[float], int]:
+    def score(self, prompt: list[int], completion: list[int], temperature: float = 1.0,
+              version: int = 0) -> tuple[list[float], int]:
+        """The learner's logprobs of `completion` at weight `version` (0: the current one; an older one
+        while it is among the last `keep_versions` pushed, else UnknownVersion)."""
         self._check(prompt, completion)
         check_temperature(temperature)
         with self.lock, torch.no_grad():
-            lp = self.trainer.learner.logprobs(prompt, completion, temperature or 1.0)
-            return lp.tolist(), self.trainer.version
+            policy = self.trainer.policy
+            if version in (0, self.trainer.version):
+                return self.trainer.learner.logprobs(prompt, completion, temperature or 1.0).tolist(), self.trainer.version
+            weights = self.rollout.history.get(version)
+            if weights is None:
+                kept = sorted(self.rollout.history)
+                raise UnknownVersion(f"weight version {version} is not kept (the learner keeps versions "
+                                     f"{kept[0] if kept else '-'}..{kept[-1] if kept else '-'}; --keep-versions "
+                                     f"{self.settings.keep_versions})")
+            current, policy.w = policy.w, weights
+            try:
+                return self.trainer.learner.logprobs(prompt, completion, temperature or 1.0).tolist(), version
+            finally:
+                policy.w = current
 
     def submit(self, trajectories: list[dict]):
         """Score trajectories sampled elsewhere at the learner's weights; record and return the drift."""

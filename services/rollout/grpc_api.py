@@ -41,6 +41,9 @@ def sampling_params(p: pb.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(p.stop_token_ids), n=p.n or 1)
 
 
+MODES = set(pb.UpdateMode.values())
+
+
 class RolloutServicer(pb_grpc.RolloutServiceServicer):
     def __init__(self, runtime: RolloutRuntime):
         self.rt = runtime
@@ -65,7 +68,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     def _submit(self, request, context, on_token=None, on_done=None):
         prompt = self._prompt(request, context)
         try:
-            req = self.rt.submit(prompt, sampling_params(request.params), on_token=on_token, on_done=on_done)
+            params = sampling_params(request.params)
+            req = self.rt.submit(prompt, params, on_token=on_token, on_done=on_done)
         except ValueError as e:
             self.rt.metrics.requests.labels("grpc", "error").inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -126,6 +130,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             asm = WeightAssembler(self.rt.expected, self.rt.version, arena_pool=self.rt.take_arena if on_cpu else None)
             try:
                 for msg in request_iterator:
+                    if msg.WhichOneof("kind") == "begin" and msg.begin.mode not in MODES:
+                        raise WeightError(f"unknown update mode {msg.begin.mode} (modes: {sorted(MODES)})")
                     asm.feed(msg)
                 version, abort, weights = asm.result()
             except WeightError as e:

@@ -19,11 +19,21 @@ log = logging.getLogger("minite.rollout")
 SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
 
 
+GRPC_SPARE_WORKERS = 16  # beyond one per admissible call: health checks, weight pushes and refusals get a thread
+GRPC_STOP_GRACE_S = 3.0  # after the drain: how long gRPC calls still sending their answer get
+
+
 def start_grpc(settings: RolloutSettings, runtime: RolloutRuntime):
-    """The started gRPC server of this service -> (server, bound port, health servicer)."""
+    """The started gRPC server of this service -> (server, bound port, health servicer).
+
+    A Generate call holds a worker thread until its completion is done, and at most max_slots +
+    max_waiting calls can be admitted at once (each holds >= 1 sequence, running or waiting): with that
+    many workers and a few to spare, admitted calls never take every thread, so health checks, weight
+    pushes and refusals are answered at once however full the queue is."""
+    workers = settings.max_slots + settings.max_waiting + GRPC_SPARE_WORKERS
     return rpc.make_server(
         settings, [SERVICE], lambda s: rollout_pb2_grpc.add_RolloutServiceServicer_to_server(RolloutServicer(runtime), s),
-        protected=PROTECTED)
+        protected=PROTECTED, workers=workers)
 
 
 def serve(settings: RolloutSettings) -> None:
@@ -36,15 +46,23 @@ def serve(settings: RolloutSettings) -> None:
         # one parseable line: tests and `minite up` read the bound ports from it
         print(f"minite-rollout ready grpc={port} http={http_port} model={settings.model_name} "
               f"weight_version={runtime.version}", flush=True)
-    try:
-        run_http(build_app(runtime), settings, on_ready=ready)
-    finally:
-        log.info("shutting down: draining requests in flight")
+
+    def stop_taking_work():  # on SIGTERM/SIGINT, while HTTP and gRPC still answer (new work: 503 / UNAVAILABLE)
         for name in (SERVICE, ""):
             health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        runtime.drain(timeout=30)
-        server.stop(grace=5).wait()
+        drained = runtime.drain(timeout=settings.drain_timeout)
+        log.info("drained: %s", "every request in flight finished" if drained else "the rest was cut")
+
+    orderly = False
+    try:
+        orderly = run_http(build_app(runtime), settings, on_ready=ready, on_stop=stop_taking_work)
+    finally:
+        for name in (SERVICE, ""):
+            health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        runtime.drain(timeout=0 if not orderly else settings.drain_timeout)  # (done already after a signal)
+        server.stop(grace=GRPC_STOP_GRACE_S if orderly else 0.5).wait()
         runtime.stop()
+        log.info("stopped")
 
 
 def main(argv: list[str]) -> int:

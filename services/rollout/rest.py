@@ -5,7 +5,10 @@ n, stop, plus vLLM's top_k and stop_token_ids), GET /v1/models, GET /v1/weight_v
 GET /metrics (Prometheus), the OpenAPI schema at /openapi.json. Every response carries the token ids
 of the prompt and of each completion (as vLLM's `return_token_ids`) and the weight version used (as
 SGLang's `weight_version`). Errors are OpenAI-shaped: {"error": {"message", "type", "code"}} with 400
-(bad request), 404 (unknown model), 429 (queue full), 503 (shutting down).
+(bad request), 404 (unknown model or path), 405 (wrong method), 415 (a body that is not JSON), 429 (queue
+full), 503 (shutting down); the OpenAPI schema lists them (and no 422: validation errors are 400).
+Request bodies are validated strictly: a field of the wrong JSON type ("3" for an integer, 1 for a
+boolean) is refused, not coerced.
 
 The built-in model has no chat template: a chat prompt is its messages' contents concatenated, in order.
 """
@@ -21,10 +24,11 @@ from typing import Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minite_core.engine import SamplingParams
+from minite_core.engine.rollout import MAX_TEMPERATURE, MIN_TEMPERATURE
 
 from ..common.metrics import add_metrics_route
 from .runtime import Overloaded, RolloutRuntime
@@ -36,17 +40,62 @@ class ApiError(Exception):
 
 
 def _error(status: int, message: str, code: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": code, "code": status}}, status_code=status)
+    return JSONResponse({"error": {"message": message or "error", "type": code, "code": status}}, status_code=status)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    code: int
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+def _errors(*statuses: int) -> dict:
+    """OpenAPI `responses` for these error statuses (the body every error has)."""
+    what = {400: "bad request (the message says which field and why)", 404: "unknown model",
+            415: "the body is not JSON", 429: "the queue is full: retry later", 503: "shutting down"}
+    return {s: {"model": ErrorBody, "description": what[s]} for s in statuses}
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def _strip_422(app: FastAPI) -> None:
+    """FastAPI documents a 422 for every operation with input; this app answers 400 instead (documented)."""
+    build = app.openapi
+
+    def openapi():
+        if app.openapi_schema is None:
+            schema = build()
+            for item in schema.get("paths", {}).values():
+                for op in item.values():
+                    op.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return app.openapi_schema
+    app.openapi = openapi
+
+
+INT64 = 2**63
 
 
 class _Sampling(BaseModel):
+    model_config = ConfigDict(strict=True)  # no coercion: "3" is not an integer, 1 is not a boolean
+
     model: str | None = None
-    max_tokens: int = Field(16, description="tokens to sample per choice (>= 1)")
-    temperature: float = Field(1.0, description="0: greedy; logprobs are then reported at temperature 1")
-    top_p: float = 1.0
-    top_k: int = Field(0, description="vLLM extension: 0 keeps the whole vocabulary")
+    max_tokens: int = Field(16, ge=1, description="tokens to sample per choice; prompt + max_tokens must fit the "
+                            "context (GET /v1/models: max_model_len)")
+    temperature: float = Field(1.0, ge=0, le=MAX_TEMPERATURE, description="0: greedy (logprobs are then reported at "
+                               f"temperature 1); else at least {MIN_TEMPERATURE:g}")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="vLLM extension: 0 keeps the whole vocabulary")
     n: int = 1
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-INT64, lt=INT64, description="a 64-bit signed integer")
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     stream: bool = False
@@ -84,6 +133,8 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str
 
@@ -103,8 +154,12 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        parts = [f"{'.'.join(str(x) for x in e['loc'] if x != 'body') or 'body'}: {e['msg']}" for e in exc.errors()]
         rt.metrics.requests.labels("rest", "error").inc()
+        ctype = request.headers.get("content-type", "")
+        if request.method == "POST" and not _is_json(ctype):
+            return _error(415, f"the request body must be JSON (Content-Type: application/json), got "
+                          f"{ctype or 'no Content-Type'}", "invalid_request_error")
+        parts = [f"{'.'.join(str(x) for x in e['loc'] if x != 'body') or 'body'}: {e['msg']}" for e in exc.errors()]
         return _error(400, "; ".join(parts) or "invalid request", "invalid_request_error")
 
     @app.exception_handler(ApiError)
@@ -145,8 +200,10 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
             if events is not None:
                 loop.call_soon_threadsafe(events.put_nowait, None)  # after every token: the end marker
         try:
-            req = await asyncio.to_thread(rt.submit, prompt, body.sampling(), on_token=on_token, on_done=on_done,
-                                          stop=body.stops())
+            params, stops = body.sampling(), body.stops()
+            rt.check(prompt, params)  # bad input (400) before a full queue (429)
+            rt.check_admission(params.n)  # a refusal costs no worker thread and no wait for the engine
+            req = await asyncio.to_thread(rt.submit, prompt, params, on_token=on_token, on_done=on_done, stop=stops)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         except Overloaded as e:
@@ -222,7 +279,7 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
         return {"id": f"{prefix}-{uuid.uuid4().hex[:16]}", "object": obj, "created": int(time.time()), "model": name,
                 "choices": choices, "usage": usage(req), "prompt_token_ids": prompt, "weight_version": req.version}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses={**STREAM, **_errors(400, 404, 415, 429, 503)})
     async def completions(body: CompletionRequest, request: Request):
         if isinstance(body.prompt, str) and not body.prompt:
             raise ApiError(400, "prompt is empty")
@@ -243,7 +300,7 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
             choices.append(choice)
         return envelope("text_completion", "cmpl", choices, req, prompt)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={**STREAM, **_errors(400, 404, 415, 429, 503)})
     async def chat(body: ChatRequest, request: Request):
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
@@ -274,13 +331,20 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
     async def weight_version():
         return {"weight_version": rt.version}
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "draining: the service is stopping"}})
     async def health():
         if not rt.accepting:
             return JSONResponse({"status": "draining", "weight_version": rt.version}, status_code=503)
         return {"status": "ok", "weight_version": rt.version}
 
+    _strip_422(app)
     return app
+
+
+STREAM = {200: {"description": "the completion; with `stream: true`, server-sent events ending with `data: [DONE]`",
+                "content": {"text/event-stream": {"schema": {  # one event (OpenAPI 3.1: the schema is per event)
+                    "type": "object", "required": ["data"],
+                    "properties": {"data": {"type": "string", "description": "a JSON chunk; [DONE] at the end"}}}}}}}
 
 
 def _chunk(rid, obj, created, model, kind, i, tok, lp, finish, req, text="", token="", body=None) -> str:

@@ -3,9 +3,16 @@ work; request threads (gRPC workers, the REST event loop) submit, cancel and swa
 same lock, between steps. Admission control lives here: requests that could never fit are refused
 (ValueError), and beyond `max_waiting` queued sequences new work is refused (Overloaded) rather than
 queued without bound. The serving metrics (vLLM's names) are measured here as tokens come out.
+
+Under load: a refusal (queue full, shutting down) is decided without the engine lock, so it comes back
+at once instead of after the step in progress; between two steps the loop lets every thread waiting for
+the lock in first (Python's lock has no fairness: the loop could take it back at once, step after step,
+while a submitter waited); a cancel never waits for a step (it is applied before the next one).
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import threading
 import time
@@ -35,6 +42,9 @@ class RolloutRuntime:
         self.engine = RolloutEngine(model, max_slots=settings.max_slots, max_seq_len=settings.max_seq_len)
         self.expected = {n: describe(t) for n, t in model.w.items()}  # what a weight push must contain
         self.lock = threading.Condition()  # an RLock inside: callbacks run on the loop thread, lock held
+        self._wanting = 0  # threads waiting for the lock: the loop lets them in between two steps
+        self._wanting_lock = threading.Lock()
+        self._cancels: collections.deque = collections.deque()  # cancels to apply before the next step
         self.stopping = False
         self.accepting = True
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -42,6 +52,31 @@ class RolloutRuntime:
         self.serving_arena = None  # the memory the serving weights live in (after the first push)
         self.retired: list[tuple[int, torch.Tensor]] = []  # (version, arena) of replaced weight sets
         self.thread.start()
+
+    @contextlib.contextmanager
+    def locked(self):
+        """The engine lock, taken in turn with the loop (see the module docstring)."""
+        with self._wanting_lock:
+            self._wanting += 1
+        try:
+            self.lock.acquire()
+        finally:
+            with self._wanting_lock:
+                self._wanting -= 1
+        try:
+            yield
+        finally:
+            self.lock.release()
+
+    def check_admission(self, n: int) -> None:
+        """Raise Overloaded / RuntimeError if a request of `n` sequences must be refused now. Safe without
+        the lock (the numbers may then be a step old; submit repeats it under the lock), so an API can call it
+        before handing the submit to a thread: a refusal then costs no thread and no wait."""
+        if not self.accepting:
+            raise RuntimeError("the service is shutting down")
+        waiting = len(self.engine.waiting)
+        if waiting + n > self.settings.max_waiting:
+            raise Overloaded(f"{waiting} sequences are waiting (limit {self.settings.max_waiting}); retry later")
 
     @property
     def version(self) -> int:
@@ -66,6 +101,9 @@ class RolloutRuntime:
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of the vocabulary [0, {vocab})")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]  # could never be sampled: a mistake
+        if bad:
+            raise ValueError(f"stop token id {bad[0]} is out of the vocabulary [0, {vocab})")
         if len(prompt) + params.max_tokens > self.context:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                              f"context of {self.context} tokens")
@@ -112,11 +150,9 @@ class RolloutRuntime:
                 except Exception:
                     log.exception("completion callback failed")
 
-        with self.lock:
-            if not self.accepting:
-                raise RuntimeError("the service is shutting down")
-            if len(self.engine.waiting) + params.n > self.settings.max_waiting:
-                raise Overloaded(f"{len(self.engine.waiting)} sequences are waiting (limit {self.settings.max_waiting}); retry later")
+        self.check_admission(params.n)  # a refusal does not wait for the lock
+        with self.locked():
+            self.check_admission(params.n)
             req = self.engine.submit(prompt, params, on_token=token, on_done=done)
             m.prompt_tokens.inc(len(prompt) * params.n)
             self._gauges()
@@ -124,15 +160,41 @@ class RolloutRuntime:
         return req
 
     def cancel(self, req) -> None:
-        with self.lock:
-            self.engine.cancel(req)
+        """Stop a request's unfinished sequences (finish "abort"; its slots free). Never waits for a step:
+        while the loop is stepping, the cancel is queued and applied before the next step."""
+        if self.lock.acquire(blocking=False):
+            try:
+                self.engine.cancel(req)
+                self._gauges()
+            finally:
+                self.lock.release()
+        else:
+            self._cancels.append(req)
+            if self.lock.acquire(blocking=False):  # the loop may have gone idle meanwhile: apply it now
+                try:
+                    self._apply_cancels()
+                finally:
+                    self.lock.release()
+
+    def _apply_cancels(self) -> None:
+        while self._cancels:
+            self.engine.cancel(self._cancels.popleft())
+        self._gauges()
+
+    def abort_all(self) -> int:
+        """Cut every request in flight (finish "abort"; their clients get what was generated). -> sequences cut."""
+        with self.locked():
+            live = [q for q in list(self.engine.waiting) + self.engine.running if not q.finish]
+            for req in {id(q.request): q.request for q in live}.values():
+                self.engine.cancel(req)
             self._gauges()
+        return len(live)
 
     # -- weights ----------------------------------------------------------------------------------
     def take_arena(self, nbytes: int) -> torch.Tensor:
         """Memory for an incoming weight set: a retired version's arena once no request uses that version
         any more (its pages are already faulted in), else a new one."""
-        with self.lock:
+        with self.locked():
             in_flight = {q.request.version for q in list(self.engine.waiting) + self.engine.running}
             for i, (v, arena) in enumerate(self.retired):
                 if v not in in_flight and arena.numel() >= nbytes:
@@ -143,11 +205,11 @@ class RolloutRuntime:
     def give_back_arena(self, arena: torch.Tensor | None) -> None:
         """An arena whose push was refused: nothing references it."""
         if arena is not None:
-            with self.lock:
+            with self.locked():
                 self.retired.append((-1, arena))
 
     def update_weights(self, weights: dict, version: int, abort_in_flight: bool, arena=None) -> int:
-        with self.lock:
+        with self.locked():
             old_version = self.engine.weight_version
             aborted = self.engine.set_weights(weights, version, abort_in_flight=abort_in_flight)
             if self.serving_arena is not None:
@@ -168,8 +230,10 @@ class RolloutRuntime:
     def _loop(self) -> None:
         with self.lock:
             while not self.stopping:
+                if self._cancels:
+                    self._apply_cancels()
                 if not self.engine.busy:
-                    self.lock.wait()
+                    self.lock.wait(timeout=1.0)
                     continue
                 try:
                     self.engine.step()
@@ -178,23 +242,34 @@ class RolloutRuntime:
                     for q in list(self.engine.waiting) + list(self.engine.running):
                         self.engine.cancel(q.request)
                 self._gauges()
-                # let submitters and weight pushes in between steps
+                # let submitters and weight pushes in between steps: every thread already waiting goes first
+                # (bounded: a stream of new arrivals cannot stall the engine)
                 self.lock.release()
                 try:
                     time.sleep(0)
+                    deadline = time.monotonic() + 0.05
+                    while self._wanting and time.monotonic() < deadline:
+                        time.sleep(0.0005)
                 finally:
                     self.lock.acquire()
 
     def drain(self, timeout: float) -> bool:
-        """Stop accepting; wait up to `timeout` s for the requests in flight to finish. True if drained."""
-        with self.lock:
+        """Stop accepting; wait up to `timeout` s for the requests in flight to finish, then cut what is
+        left (finish "abort", so every waiting client and handler gets its answer). True if drained."""
+        with self.locked():
             self.accepting = False
+            in_flight = len(self.engine.waiting) + len(self.engine.running)
+        if in_flight:
+            log.info("draining: %d sequences in flight (at most %.0f s)", in_flight, timeout)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self.lock:
+        while True:
+            with self.locked():
                 if not self.engine.busy:
                     return True
+            if time.monotonic() >= deadline:
+                break
             time.sleep(0.02)
+        log.warning("drain timed out after %.0f s: %d sequences cut", timeout, self.abort_all())
         return False
 
     def stop(self) -> None:
