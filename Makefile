@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo up-local train test test-interpreter proto compose-config bench clean
+.PHONY: setup demo up-local train test test-reliability test-interpreter proto compose-config bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,9 @@ compose-config:  ## validate docker-compose.yml offline (Debian's docker-compose
 
 test: setup
 	$(PY) -m pytest -q
+
+test-reliability: setup  ## the reliability and security scenarios alone (also part of `make test`), figures printed
+	$(PY) -m pytest -q -s tests/test_reliability_serving.py tests/test_reliability_learner.py tests/test_bad_input.py
 
 test-interpreter: setup  ## only the Triton kernels, on the CPU under TRITON_INTERPRET=1
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m interpreter

@@ -5,10 +5,15 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
+import httpx
 import pytest
 import torch
 import uvicorn
@@ -18,6 +23,7 @@ from minite_core.model import load_model
 from minite_core.nvfp4 import NVFP4Tensor
 
 
+ROOT = Path(__file__).resolve().parents[1]
 TOOL_PACKAGE = {"docker-compose": "docker-compose", "promtool": "prometheus", "prometheus": "prometheus"}
 
 
@@ -113,3 +119,64 @@ def learner_service(model_dir, rollout_address: str, **overrides):
     settings = LearnerSettings(model_dir=model_dir, grpc_port=0, rollout=[rollout_address], **overrides)
     with _serving(LearnerRuntime(settings), start_grpc, build_app) as s:
         yield s
+
+
+def report(scenario: str, **figures) -> None:
+    print("RELIABILITY: " + scenario + " " + " ".join(f"{k}={v}" for k, v in figures.items()), flush=True)
+
+
+class Proc:
+    """One `python -m minite_core.cli ...` process, its output in a log file."""
+
+    def __init__(self, args: list[str], log: Path, env: dict | None = None):
+        self.log_path = log
+        self.log = log.open("w")
+        self.p = subprocess.Popen([sys.executable, "-m", "minite_core.cli", *args], stdout=self.log,
+                                  stderr=subprocess.STDOUT, env=dict(os.environ, **(env or {})), cwd=ROOT)
+        self.pid = self.p.pid
+
+    def text(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def wait_http(self, url: str, timeout: float = 120.0, verify=True) -> None:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.p.poll() is not None:
+                raise AssertionError(f"{url}: process exited {self.p.returncode}:\n{self.text()[-3000:]}")
+            try:
+                if httpx.get(url, timeout=2, verify=verify).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"{url} not up after {timeout} s:\n{self.text()[-3000:]}")
+
+    def rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError("no VmRSS")
+
+    def terminate(self, timeout: float) -> tuple[int | None, float]:
+        """SIGTERM; -> (exit code or None if still running after `timeout` s, seconds to exit)."""
+        t0 = time.monotonic()
+        self.p.send_signal(signal.SIGTERM)
+        try:
+            return self.p.wait(timeout), time.monotonic() - t0
+        except subprocess.TimeoutExpired:
+            return None, time.monotonic() - t0
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGCONT)  # (a test may have stopped it)
+            except ProcessLookupError:
+                pass
+            self.p.kill()
+            try:
+                self.p.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        self.log.close()

@@ -157,3 +157,45 @@ def test_restarted_learner_resyncs_above_the_replicas(service_model, tmp_path):
             m = le[0].trainer.step()  # 64 sequences through a queue of 16
             assert m["weight_version"] == 9 and m["sampling/sampling_logp_difference/max"] == 0.0
             assert stub.GetWeightVersion(rpb.GetWeightVersionRequest()).version == 9
+
+
+def test_score_at_kept_versions_and_in_batches(pair):
+    """(Last in this module: it moves the learner to new versions.) A completion sampled before a push is
+    scored at its own version, bit for bit, also in one ScoreBatch mixing versions; a version the learner
+    no longer keeps is NOT_FOUND / 404."""
+    ro, le, rstub, lstub = pair
+    rt = le[0]
+    old = _trajectories(rstub)
+    v_old = old[0].weight_version
+    g = torch.Generator().manual_seed(5)
+    with rt.lock, torch.no_grad():  # a different weight set, pushed as the next version
+        for m in rt.trainer.masters.values():
+            m.add_(0.05 * torch.randn(m.shape, generator=g))
+        rt.trainer.sync_weights()
+    new = _trajectories(rstub)
+    assert new[0].weight_version == rt.version > v_old
+    items = [lpb.ScoreRequest(prompt_ids=PROMPT, completion_ids=t.completion_ids, weight_version=t.weight_version)
+             for t in old + new]
+    resp = lstub.ScoreBatch(lpb.ScoreBatchRequest(items=items), timeout=60)
+    assert [list(r.logprobs) for r in resp.results] == [list(t.rollout_logprobs) for t in old + new]
+    assert [r.weight_version for r in resp.results] == [t.weight_version for t in old + new]
+    now = lstub.Score(lpb.ScoreRequest(prompt_ids=PROMPT, completion_ids=old[0].completion_ids), timeout=60)
+    assert now.weight_version == rt.version and list(now.logprobs) != list(old[0].rollout_logprobs)
+    r = httpx.post(f"{le[2]}/v1/score", json={"prompt_ids": PROMPT, "completion_ids": list(old[0].completion_ids),
+                                              "weight_version": v_old}).json()
+    assert [float(torch.tensor(x, dtype=torch.float32)) for x in r["logprobs"]] == list(old[0].rollout_logprobs)
+
+    for call in (lambda: lstub.Score(lpb.ScoreRequest(prompt_ids=PROMPT, completion_ids=[3], weight_version=999), timeout=30),
+                 lambda: lstub.ScoreBatch(lpb.ScoreBatchRequest(items=[items[0], lpb.ScoreRequest(
+                     prompt_ids=PROMPT, completion_ids=[3], weight_version=999)]), timeout=30)):
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and "999 is not kept" in e.value.details()
+    r = httpx.post(f"{le[2]}/v1/score", json={"prompt_ids": PROMPT, "completion_ids": [3], "weight_version": 999})
+    assert r.status_code == 404 and "not kept" in r.json()["error"]["message"]
+    for req, words in [(lpb.ScoreBatchRequest(), "no items"),
+                       (lpb.ScoreBatchRequest(items=[items[0], lpb.ScoreRequest(prompt_ids=PROMPT)]), "item 1"),
+                       (lpb.ScoreBatchRequest(items=[items[0]] * 4097), "at most 4096")]:
+        with pytest.raises(grpc.RpcError) as e:
+            lstub.ScoreBatch(req, timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details(), e.value.details()

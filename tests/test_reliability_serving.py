@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from minite.v1 import learner_pb2 as lpb
@@ -28,74 +29,12 @@ from minite.v1 import learner_pb2_grpc as lpb_grpc
 from minite.v1 import rollout_pb2 as pb
 from minite.v1 import rollout_pb2_grpc as pb_grpc
 from services.common.weights import encode_update, raw_update_call
-from tests.service_helpers import free_port, new_weights, system_tool
+from tests.service_helpers import Proc, free_port, new_weights, report, system_tool
 
-ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "rel-secret-Q7f3a9c2d1"  # distinctive: searched for in the logs and the metrics
 WRONG = "rel-wrong-Z4k8m1x0p5"
 PROMPT = [1, 4, 5, 13, 6, 7, 14]  # <bos>12+34=  (the model's context is 32 tokens)
 SLOTS, WAITING = 4, 36  # the overload rollout: more admissible calls than the gRPC server's old 32 workers
-
-
-def report(scenario: str, **figures) -> None:
-    print("RELIABILITY: " + scenario + " " + " ".join(f"{k}={v}" for k, v in figures.items()), flush=True)
-
-
-class Proc:
-    """One `python -m minite_core.cli ...` process, its output in a log file."""
-
-    def __init__(self, args: list[str], log: Path, env: dict | None = None):
-        self.log_path = log
-        self.log = log.open("w")
-        self.p = subprocess.Popen([sys.executable, "-m", "minite_core.cli", *args], stdout=self.log,
-                                  stderr=subprocess.STDOUT, env=dict(os.environ, **(env or {})), cwd=ROOT)
-        self.pid = self.p.pid
-
-    def text(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def wait_http(self, url: str, timeout: float = 120.0, verify=True) -> None:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.p.poll() is not None:
-                raise AssertionError(f"{url}: process exited {self.p.returncode}:\n{self.text()[-3000:]}")
-            try:
-                if httpx.get(url, timeout=2, verify=verify).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"{url} not up after {timeout} s:\n{self.text()[-3000:]}")
-
-    def rss_mb(self) -> float:
-        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        raise AssertionError("no VmRSS")
-
-    def terminate(self, timeout: float) -> tuple[int | None, float]:
-        """SIGTERM; -> (exit code or None if still running after `timeout` s, seconds to exit)."""
-        t0 = time.monotonic()
-        self.p.send_signal(signal.SIGTERM)
-        try:
-            return self.p.wait(timeout), time.monotonic() - t0
-        except subprocess.TimeoutExpired:
-            return None, time.monotonic() - t0
-
-    def kill(self) -> None:
-        if self.p.poll() is None:
-            try:
-                os.kill(self.pid, signal.SIGCONT)  # (a test may have stopped it)
-            except ProcessLookupError:
-                pass
-            self.p.kill()
-            try:
-                self.p.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-        self.log.close()
 
 
 def _metric(base: str, name: str, verify=True) -> float:
@@ -209,7 +148,8 @@ def _refusal_probes(plain, count: int) -> dict:
     fill = [stub.Generate.future(_gen(24, n=4), timeout=120) for _ in range((SLOTS + WAITING) // 4)]
     try:
         deadline = time.monotonic() + 30
-        while _metric(url, "minite_num_requests_waiting") < WAITING:
+        # (one fill request may itself be refused when it races the engine taking the first ones in)
+        while _metric(url, "minite_num_requests_waiting") <= WAITING - 8:
             assert time.monotonic() < deadline, "the queue did not fill"
             time.sleep(0.02)
         probe = _gen(4, n=8)  # refused while more than WAITING - 8 sequences wait
@@ -585,3 +525,123 @@ def test_learner_stops_on_sigterm_while_its_replica_hangs(secure):
     assert rc == 0 and seconds < 20, (rc, seconds, learner.text()[-3000:])
     assert rrc == 0 and rseconds < 15, (rrc, rseconds, rollout.text()[-3000:])
     assert TOKEN not in logs
+
+
+# -- faults in a weight push --------------------------------------------------------------------------------
+_KILLED_PUSHER = """
+import sys, time, grpc
+from services.common.weights import encode_update, raw_update_call
+from tests.service_helpers import new_weights
+addr, model, version, token = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+def slow():
+    for i, m in enumerate(encode_update(new_weights(model, seed=9), version, chunk_bytes=4096, raw=True)):
+        yield m
+        if i == 5:
+            print("HALF-WAY", flush=True)
+            time.sleep(600)  # SIGKILLed here, mid-stream
+raw_update_call(grpc.insecure_channel(addr))(slow(), metadata=(("authorization", "Bearer " + token),), timeout=600)
+"""
+
+
+def _push_faults(weights, version):
+    """(name, messages, expected code, words) for each fault, built from one good push."""
+    from minite.v1 import rollout_pb2 as wpb
+
+    def msgs():
+        return list(encode_update(weights, version, chunk_bytes=4096))
+
+    def edit(fn):
+        out = []
+        for m in msgs():
+            m = fn(m)
+            if m is not None:
+                out.append(m)
+        return out
+
+    chunks = [i for i, m in enumerate(msgs()) if m.WhichOneof("kind") == "chunk"]
+
+    def corrupt(m):
+        if m.WhichOneof("kind") == "chunk" and m.chunk.offset == 4096:
+            m.chunk.payload = bytes([m.chunk.payload[0] ^ 0x55]) + m.chunk.payload[1:]
+        return m
+
+    def dtype(m):
+        if m.WhichOneof("kind") == "chunk" and m.chunk.name.endswith("norm.weight"):
+            m.chunk.format = "float32"
+        return m
+
+    def unknown(m):
+        if m.WhichOneof("kind") == "chunk" and m.chunk.name.endswith("o_proj.weight"):
+            m.chunk.name = m.chunk.name + ".extra"
+        return m
+
+    def shape(m):
+        if m.WhichOneof("kind") == "chunk" and m.chunk.name.endswith("down_proj.weight"):
+            m.chunk.shape[0] += 16
+        return m
+    INV, PRE = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+    cut_mid_tensor = msgs()[: chunks[len(chunks) // 2]] + [wpb.UpdateWeightsRequest(end=wpb.UpdateEnd())]
+    return [
+        ("truncated (no UpdateEnd)", msgs()[:-1], INV, "truncated"),
+        ("cut mid-tensor", cut_mid_tensor, INV, "missing"),
+        ("corrupted chunk", edit(corrupt), INV, "checksum"),
+        ("wrong dtype", edit(dtype), INV, "format"),
+        ("wrong shape", edit(shape), INV, "shape"),
+        ("unknown tensor", edit(unknown), INV, "unknown tensor"),
+        ("older version", list(encode_update(weights, version - 2, chunk_bytes=4096)), PRE, "stale"),
+        ("same version", list(encode_update(weights, version - 1, chunk_bytes=4096)), PRE, "stale"),
+    ]
+
+
+def test_push_faults_keep_serving_and_the_next_push_lands(service_model, tmp_path):
+    from services.common.weights import encode_update
+    from tests.service_helpers import learner_on
+
+    g, h = free_port(), free_port()
+    proc = Proc(["rollout", "--model-dir", str(service_model), "--grpc-port", str(g), "--http-port", str(h)],
+                tmp_path / "rollout.log", env={"MINITE_AUTH_TOKEN": TOKEN})
+    killer = None
+    try:
+        proc.wait_http(f"http://127.0.0.1:{h}/health")
+        channel = grpc.insecure_channel(f"127.0.0.1:{g}")
+        stub = pb_grpc.RolloutServiceStub(channel)
+        auth = (("authorization", f"Bearer {TOKEN}"),)
+        first = new_weights(service_model, seed=1)
+        stub.UpdateWeights(iter(encode_update(first, 1)), metadata=auth, timeout=60)
+        refused = []
+        for name, msgs, code, words in _push_faults(new_weights(service_model, seed=2), 2):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.UpdateWeights(iter(msgs), metadata=auth, timeout=60)
+            assert e.value.code() == code and words in e.value.details(), (name, e.value.code(), e.value.details())
+            r = stub.Generate(_gen(3), timeout=60)  # still serving the previous version
+            assert r.weight_version == 1 and len(r.choices[0].token_ids) == 3, name
+            refused.append(name)
+
+        # a pushing client SIGKILLed half-way through its stream
+        killer = subprocess.Popen([sys.executable, "-c", _KILLED_PUSHER, f"127.0.0.1:{g}", str(service_model), "2", TOKEN],
+                                  stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+        assert killer.stdout.readline().strip() == "HALF-WAY"
+        killer.kill()
+        killer.wait(10)
+        time.sleep(0.5)
+        assert stub.GetWeightVersion(pb.GetWeightVersionRequest(), timeout=10).version == 1
+        refused.append("client killed mid-stream")
+
+        # the next good push lands, and the rollout's logprobs are the learner's at the new weights
+        good = new_weights(service_model, seed=3)
+        resp = stub.UpdateWeights(iter(encode_update(good, 2)), metadata=auth, timeout=60)
+        assert resp.version == 2
+        r = stub.Generate(_gen(4, n=2), timeout=60)
+        ref = learner_on(service_model, good)
+        for c in r.choices:
+            assert c.weight_version == 2
+            assert torch.equal(torch.tensor(list(c.logprobs)), ref.logprobs(PROMPT, list(c.token_ids)))
+        rejected = _metric(f"http://127.0.0.1:{h}", "minite_weight_sync_rejected_total")
+        channel.close()
+    finally:
+        if killer is not None and killer.poll() is None:
+            killer.kill()
+        proc.kill()
+    assert rejected >= len(refused) - 1
+    report("push_faults", faults=len(refused), kinds="|".join(x.replace(" ", "_") for x in refused),
+           served_previous_version_after_each=True, next_good_push_version=2, rejected_metric=int(rejected))

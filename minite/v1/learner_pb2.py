@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17minite/v1/learner.proto\x12\tminite.v1\"\x8f\x01\n\nTrajectory\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12\x16\n\x0e\x63ompletion_ids\x18\x02 \x03(\r\x12\x18\n\x10rollout_logprobs\x18\x03 \x03(\x02\x12\x0e\n\x06reward\x18\x04 \x01(\x01\x12\x16\n\x0eweight_version\x18\x05 \x01(\x04\x12\x13\n\x0btemperature\x18\x06 \x01(\x01\"{\n\rSubmitSummary\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\x12\x1c\n\x14logprob_abs_diff_max\x18\x03 \x01(\x01\x12\r\n\x05kl_k3\x18\x04 \x01(\x01\x12\x1b\n\x13\x62itwise_equal_ratio\x18\x05 \x01(\x01\"g\n\x0cScoreRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12\x16\n\x0e\x63ompletion_ids\x18\x02 \x03(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x01\x12\x16\n\x0eweight_version\x18\x04 \x01(\x04\"9\n\rScoreResponse\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\"\x0f\n\rStatusRequest\"\xcb\x01\n\x0eStatusResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\x12\x13\n\x0btotal_steps\x18\x03 \x01(\x04\x12\x0f\n\x07running\x18\x04 \x01(\x08\x12\x0c\n\x04\x64one\x18\x05 \x01(\x08\x12\x13\n\x0breward_mean\x18\x06 \x01(\x01\x12\x1c\n\x14logprob_abs_diff_max\x18\x07 \x01(\x01\x12\x18\n\x10rollout_replicas\x18\x08 \x03(\t\x12\x12\n\nlast_error\x18\t \x01(\t2\xd4\x01\n\x0eLearnerService\x12G\n\x12SubmitTrajectories\x12\x15.minite.v1.Trajectory\x1a\x18.minite.v1.SubmitSummary(\x01\x12:\n\x05Score\x12\x17.minite.v1.ScoreRequest\x1a\x18.minite.v1.ScoreResponse\x12=\n\x06Status\x12\x18.minite.v1.StatusRequest\x1a\x19.minite.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17minite/v1/learner.proto\x12\tminite.v1\"\x8f\x01\n\nTrajectory\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12\x16\n\x0e\x63ompletion_ids\x18\x02 \x03(\r\x12\x18\n\x10rollout_logprobs\x18\x03 \x03(\x02\x12\x0e\n\x06reward\x18\x04 \x01(\x01\x12\x16\n\x0eweight_version\x18\x05 \x01(\x04\x12\x13\n\x0btemperature\x18\x06 \x01(\x01\"{\n\rSubmitSummary\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\x12\x1c\n\x14logprob_abs_diff_max\x18\x03 \x01(\x01\x12\r\n\x05kl_k3\x18\x04 \x01(\x01\x12\x1b\n\x13\x62itwise_equal_ratio\x18\x05 \x01(\x01\"g\n\x0cScoreRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\r\x12\x16\n\x0e\x63ompletion_ids\x18\x02 \x03(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x01\x12\x16\n\x0eweight_version\x18\x04 \x01(\x04\"9\n\rScoreResponse\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\";\n\x11ScoreBatchRequest\x12&\n\x05items\x18\x01 \x03(\x0b\x32\x17.minite.v1.ScoreRequest\"?\n\x12ScoreBatchResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.minite.v1.ScoreResponse\"\x0f\n\rStatusRequest\"\xcb\x01\n\x0eStatusResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x16\n\x0eweight_version\x18\x02 \x01(\x04\x12\x13\n\x0btotal_steps\x18\x03 \x01(\x04\x12\x0f\n\x07running\x18\x04 \x01(\x08\x12\x0c\n\x04\x64one\x18\x05 \x01(\x08\x12\x13\n\x0breward_mean\x18\x06 \x01(\x01\x12\x1c\n\x14logprob_abs_diff_max\x18\x07 \x01(\x01\x12\x18\n\x10rollout_replicas\x18\x08 \x03(\t\x12\x12\n\nlast_error\x18\t \x01(\t2\x9f\x02\n\x0eLearnerService\x12G\n\x12SubmitTrajectories\x12\x15.minite.v1.Trajectory\x1a\x18.minite.v1.SubmitSummary(\x01\x12:\n\x05Score\x12\x17.minite.v1.ScoreRequest\x1a\x18.minite.v1.ScoreResponse\x12I\n\nScoreBatch\x12\x1c.minite.v1.ScoreBatchRequest\x1a\x1d.minite.v1.ScoreBatchResponse\x12=\n\x06Status\x12\x18.minite.v1.StatusRequest\x1a\x19.minite.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,10 +39,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCOREREQUEST']._serialized_end=412
   _globals['_SCORERESPONSE']._serialized_start=414
   _globals['_SCORERESPONSE']._serialized_end=471
-  _globals['_STATUSREQUEST']._serialized_start=473
-  _globals['_STATUSREQUEST']._serialized_end=488
-  _globals['_STATUSRESPONSE']._serialized_start=491
-  _globals['_STATUSRESPONSE']._serialized_end=694
-  _globals['_LEARNERSERVICE']._serialized_start=697
-  _globals['_LEARNERSERVICE']._serialized_end=909
+  _globals['_SCOREBATCHREQUEST']._serialized_start=473
+  _globals['_SCOREBATCHREQUEST']._serialized_end=532
+  _globals['_SCOREBATCHRESPONSE']._serialized_start=534
+  _globals['_SCOREBATCHRESPONSE']._serialized_end=597
+  _globals['_STATUSREQUEST']._serialized_start=599
+  _globals['_STATUSREQUEST']._serialized_end=614
+  _globals['_STATUSRESPONSE']._serialized_start=617
+  _globals['_STATUSRESPONSE']._serialized_end=820
+  _globals['_LEARNERSERVICE']._serialized_start=823
+  _globals['_LEARNERSERVICE']._serialized_end=1110
 # @@protoc_insertion_point(module_scope)

@@ -44,6 +44,11 @@ class LearnerServiceStub:
                 request_serializer=minite_dot_v1_dot_learner__pb2.ScoreRequest.SerializeToString,
                 response_deserializer=minite_dot_v1_dot_learner__pb2.ScoreResponse.FromString,
                 _registered_method=True)
+        self.ScoreBatch = channel.unary_unary(
+                '/minite.v1.LearnerService/ScoreBatch',
+                request_serializer=minite_dot_v1_dot_learner__pb2.ScoreBatchRequest.SerializeToString,
+                response_deserializer=minite_dot_v1_dot_learner__pb2.ScoreBatchResponse.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/minite.v1.LearnerService/Status',
                 request_serializer=minite_dot_v1_dot_learner__pb2.StatusRequest.SerializeToString,
@@ -70,6 +75,13 @@ class LearnerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScoreBatch(self, request, context):
+        """Many at once (at most 4096 items; scored in batches, each row's bits as if scored alone).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -88,6 +100,11 @@ def add_LearnerServiceServicer_to_server(servicer, server):
                     servicer.Score,
                     request_deserializer=minite_dot_v1_dot_learner__pb2.ScoreRequest.FromString,
                     response_serializer=minite_dot_v1_dot_learner__pb2.ScoreResponse.SerializeToString,
+            ),
+            'ScoreBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScoreBatch,
+                    request_deserializer=minite_dot_v1_dot_learner__pb2.ScoreBatchRequest.FromString,
+                    response_serializer=minite_dot_v1_dot_learner__pb2.ScoreBatchResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -149,6 +166,33 @@ class LearnerService:
             '/minite.v1.LearnerService/Score',
             minite_dot_v1_dot_learner__pb2.ScoreRequest.SerializeToString,
             minite_dot_v1_dot_learner__pb2.ScoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScoreBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minite.v1.LearnerService/ScoreBatch',
+            minite_dot_v1_dot_learner__pb2.ScoreBatchRequest.SerializeToString,
+            minite_dot_v1_dot_learner__pb2.ScoreBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

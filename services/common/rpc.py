@@ -43,7 +43,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
         handler = continuation(details)
 
         def deny(_request, context):
-            log.warning("refused %s from %s: %s token", details.method, context.peer(), reason)
+            log.warning("refused %s: %s token (peer %s)", details.method, reason, context.peer())
             context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{reason} token: {details.method} needs "
                           "'authorization: Bearer <token>' metadata")
         if handler is not None and handler.request_streaming and handler.response_streaming:

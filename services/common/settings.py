@@ -91,6 +91,7 @@ class LearnerSettings(_Common):
     learning_rate: float = Field(5e-4, gt=0)
     seed: int = 0
     chunk_mb: float = Field(2.0, ge=1.0, le=4.0, description="weight-push message size, MiB")
+    checkpoint_every: int = Field(10, ge=1, description="steps between checkpoints (the trajectory log covers the rest)")
     keep_versions: int = Field(4, ge=1, le=1024, description="recent weight versions kept for Score at an older version")
     exit_when_done: bool = Field(False, description="stop the service after the last step")
 

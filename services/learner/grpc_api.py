@@ -45,6 +45,20 @@ class LearnerServicer(pb_grpc.LearnerServiceServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         return pb.ScoreResponse(logprobs=lps, weight_version=version)
 
+    def ScoreBatch(self, request, context):
+        if len(request.items) > MAX_TRAJECTORIES:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(request.items)} items: at most {MAX_TRAJECTORIES} per call")
+        if not request.items:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no items to score")
+        try:
+            results = self.rt.score_batch([(list(r.prompt_ids), list(r.completion_ids), r.temperature or 1.0,
+                                            r.weight_version) for r in request.items])
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except UnknownVersion as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        return pb.ScoreBatchResponse(results=[pb.ScoreResponse(logprobs=lps, weight_version=v) for lps, v in results])
+
     def Status(self, request, context):
         s = self.rt.status()
         return pb.StatusResponse(step=s["step"], weight_version=s["weight_version"], total_steps=s["total_steps"],

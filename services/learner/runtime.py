@@ -26,6 +26,7 @@ from ..common.metrics import LearnerMetrics
 from .replicas import NewerVersion, RemoteRollout, ReplicaError
 
 log = logging.getLogger("minite.learner")
+SCORE_BATCH = 64  # sequences per learner forward in score_batch
 
 
 class StaleVersion(ValueError):
@@ -55,7 +56,7 @@ class LearnerRuntime:
         self.cfg = TrainConfig(model_dir=str(settings.model_dir), run_dir=str(settings.run_dir),
                                precision=settings.precision, steps=settings.steps,
                                prompts_per_step=settings.prompts_per_step, learning_rate=settings.learning_rate,
-                               seed=settings.seed, grpo=GRPOConfig(num_generations=settings.num_generations,
+                               seed=settings.seed, checkpoint_every=settings.checkpoint_every, grpo=GRPOConfig(num_generations=settings.num_generations,
                                                                    max_completion_length=4))
         self.rollout = RemoteRollout(settings.rollout, settings, self.metrics)
         self.lock = threading.RLock()  # one of: a GRPO step, a Score, a SubmitTrajectories batch
@@ -169,23 +170,45 @@ class LearnerRuntime:
               version: int = 0) -> tuple[list[float], int]:
         """The learner's logprobs of `completion` at weight `version` (0: the current one; an older one
         while it is among the last `keep_versions` pushed, else UnknownVersion)."""
-        self._check(prompt, completion)
-        check_temperature(temperature)
-        with self.lock, torch.no_grad():
-            policy = self.trainer.policy
-            if version in (0, self.trainer.version):
-                return self.trainer.learner.logprobs(prompt, completion, temperature or 1.0).tolist(), self.trainer.version
-            weights = self.rollout.history.get(version)
-            if weights is None:
-                kept = sorted(self.rollout.history)
-                raise UnknownVersion(f"weight version {version} is not kept (the learner keeps versions "
-                                     f"{kept[0] if kept else '-'}..{kept[-1] if kept else '-'}; --keep-versions "
-                                     f"{self.settings.keep_versions})")
-            current, policy.w = policy.w, weights
+        return self.score_batch([(prompt, completion, temperature, version)])[0]
+
+    def score_batch(self, items: list[tuple]) -> list[tuple[list[float], int]]:
+        """score() for many (prompt, completion, temperature, version) items: grouped by version and
+        temperature, scored SCORE_BATCH rows at a time (a row's bits do not depend on its batch)."""
+        for i, (prompt, completion, temperature, _) in enumerate(items):
             try:
-                return self.trainer.learner.logprobs(prompt, completion, temperature or 1.0).tolist(), version
+                self._check(prompt, completion)
+                check_temperature(temperature)
+            except ValueError as e:
+                raise ValueError(f"item {i}: {e}" if len(items) > 1 else str(e)) from None
+        out: list = [None] * len(items)
+        with self.lock, torch.no_grad():
+            current = self.trainer.version
+            groups: dict = {}
+            for i, (_, _, temperature, version) in enumerate(items):
+                groups.setdefault((version if version not in (0, current) else current, temperature or 1.0), []).append(i)
+            policy, serving = self.trainer.policy, self.trainer.policy.w
+            try:
+                for (version, temperature), idx in groups.items():
+                    policy.w = serving if version == current else self._kept(version)
+                    for k in range(0, len(idx), SCORE_BATCH):
+                        part = idx[k:k + SCORE_BATCH]
+                        lps = self.trainer.learner.batch_logprobs([items[i][0] for i in part], [items[i][1] for i in part],
+                                                                  temperature)
+                        for i, lp in zip(part, lps):
+                            out[i] = (lp.tolist(), version)
             finally:
-                policy.w = current
+                policy.w = serving
+        return out
+
+    def _kept(self, version: int) -> dict:
+        weights = self.rollout.history.get(version)
+        if weights is None:
+            kept = sorted(self.rollout.history)
+            raise UnknownVersion(f"weight version {version} is not kept (the learner keeps versions "
+                                 f"{kept[0] if kept else '-'}..{kept[-1] if kept else '-'}; --keep-versions "
+                                 f"{self.settings.keep_versions})")
+        return weights
 
     def submit(self, trajectories: list[dict]):
         """Score trajectories sampled elsewhere at the learner's weights; record and return the drift."""
