@@ -34,7 +34,7 @@ def test_rollout_logprobs_equal_learner_logprobs(ckpt, precision):
     learner = Learner(model)
     for o, p in zip(outs, params):
         assert len(o.token_ids) == p.max_tokens and o.finish_reason == "length"
-        lp = learner.logprobs(o.prompt_ids, o.token_ids, p.temperature)
+        lp = learner.logprobs(o.prompt_ids, o.token_ids, p.temperature).cpu()  # (completions hold CPU logprobs)
         assert torch.equal(o.logprobs, lp), (o.request_index, (o.logprobs - lp).abs().max())
     # scoring in a batch gives the same bits as scoring alone
     batched = learner.batch_logprobs([o.prompt_ids for o in outs], [o.token_ids for o in outs], 1.0)
@@ -52,7 +52,7 @@ def test_triton_backend_rollout_equals_learner(ckpt):
     outs = engine.generate(_prompts(n, seed=4), SamplingParams(max_tokens=steps, temperature=1.0, seed=3))
     learner = Learner(model)
     for o in outs:
-        assert torch.equal(o.logprobs, learner.logprobs(o.prompt_ids, o.token_ids)), o.request_index
+        assert torch.equal(o.logprobs, learner.logprobs(o.prompt_ids, o.token_ids).cpu()), o.request_index
 
 
 def test_seeded_request_is_reproducible_alone_or_in_a_batch(ckpt):

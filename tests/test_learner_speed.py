@@ -135,8 +135,8 @@ def test_cuda_nvfp4_gradients_vs_fp32_autograd_and_cpu(backend, x_dtype):
     g_cpu = _rand(m, n, seed=17).to(BF16)
     grads = {}
     for dev in ("cpu", "cuda"):
-        master = master_cpu.to(dev).requires_grad_(True)
-        x = x_cpu.to(dev).requires_grad_(True)
+        master = master_cpu.to(dev).detach().requires_grad_(True)  # (a leaf on each device)
+        x = x_cpu.to(dev).detach().requires_grad_(True)
         wq = ops.quantize(master.detach(), scale_mode="tensor", backend=backend if dev == "cuda" else "torch")
         out = ops.linear(x, wq, master=master, out_dtype=BF16, backend=backend if dev == "cuda" else "torch")
         out.backward(g_cpu.to(dev))

@@ -6,7 +6,7 @@ import torch
 from conftest import DEVICE, HAS_CUDA, HAS_TRITON, save_hf_checkpoint
 
 from minite_core.engine import Learner, RolloutEngine, SamplingParams
-from minite_core.engine.graphs import buckets, clone_weights, copy_weights_
+from minite_core.engine.graphs import buckets, clone_weights, copy_weights_, graph_capturable
 from minite_core.model import load_model
 
 pytest.importorskip("transformers")
@@ -61,6 +61,22 @@ def test_cuda_graphs_need_cuda(ckpt):
         RolloutEngine(load_model(ckpt, precision="nvfp4"), cuda_graphs=True)
 
 
+def test_moe_graphs_only_on_the_grouped_path(tmp_path, ckpt):
+    """The per-expert MoE loop sizes its work on the host: not capturable, so no graphs by default (and a
+    clear error when asked for); the dense model and the grouped (Triton, NVFP4) MoE path are capturable."""
+    moe = save_hf_checkpoint(tmp_path / "moe", moe=True)
+    assert graph_capturable(load_model(ckpt, precision="bf16"))
+    assert not graph_capturable(load_model(moe, precision="bf16"))
+    assert not graph_capturable(load_model(moe, precision="nvfp4", backend="torch"))
+    if HAS_TRITON:
+        assert graph_capturable(load_model(moe, precision="nvfp4", backend="triton"))
+    if HAS_CUDA:
+        model = load_model(moe, precision="bf16", device="cuda")
+        assert RolloutEngine(model, max_slots=2).graphs is None
+        with pytest.raises(ValueError, match="per-expert loop"):
+            RolloutEngine(model, max_slots=2, cuda_graphs=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
@@ -89,12 +105,12 @@ def test_graph_decode_equals_eager_and_survives_a_weight_sync(ckpt, precision):
     old_model = load_model(ckpt, precision=precision, backend="triton", device="cuda")
     old_model.w = old_w
     old = Learner(old_model)
-    assert torch.equal(old_req.completions()[0].logprobs, old.logprobs(prompts[0], old_req.seqs[0].tokens))
+    assert torch.equal(old_req.completions()[0].logprobs, old.logprobs(prompts[0], old_req.seqs[0].tokens).cpu())
     new_model = load_model(ckpt, precision=precision, backend="triton", device="cuda")
     new_model.w = new_w
     learner = Learner(new_model)
     for r in new_reqs:
         c = r.completions()[0]
         assert c.weight_version == 1
-        assert torch.equal(c.logprobs, learner.logprobs(c.prompt_ids, c.token_ids))
-        assert not torch.equal(c.logprobs, old.logprobs(c.prompt_ids, c.token_ids))
+        assert torch.equal(c.logprobs, learner.logprobs(c.prompt_ids, c.token_ids).cpu())
+        assert not torch.equal(c.logprobs, old.logprobs(c.prompt_ids, c.token_ids).cpu())

@@ -58,6 +58,16 @@ def buckets(max_batch: int) -> list[int]:
     return out + [max_batch]
 
 
+def graph_capturable(model) -> bool:
+    """Can the decode forward be captured: dense, or every MoE layer on the grouped path (device offsets,
+    no host sync); the per-expert loop sizes its work on the host."""
+    from ..model import moe
+
+    layers = [i for i in range(model.cfg.num_hidden_layers) if model.cfg.is_moe_layer(i)]
+    with torch.no_grad():
+        return all(moe.usable(model, f"model.layers.{i}.mlp.") for i in layers)
+
+
 class DecodeGraphs:
     """Graph-captured decode forwards of `model` over `cache`; `scratch_slot` is a cache row no sequence uses."""
 

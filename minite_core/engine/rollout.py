@@ -36,7 +36,7 @@ import math
 import torch
 
 from ..model.qwen3 import KVCache, Qwen3
-from .graphs import DecodeGraphs
+from .graphs import DecodeGraphs, graph_capturable
 from .sampler import sample_batch, seed_key
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
@@ -79,7 +79,7 @@ class SamplingParams:
 class Completion:
     prompt_ids: list[int]
     token_ids: list[int]
-    logprobs: torch.Tensor  # fp32 [len(token_ids)]
+    logprobs: torch.Tensor  # fp32 [len(token_ids)], on the CPU (whatever the model's device)
     finish_reason: str
     weight_version: int
     request_index: int = 0
@@ -138,10 +138,14 @@ class RolloutEngine:
             raise ValueError("max_slots must be >= 1 and max_seq_len >= 2")
         # one cache row more than slots: the scratch row the padding rows of a graph bucket write to
         self.cache = KVCache(model.cfg, max_slots + 1, self.max_seq_len, model.dtype, model.device)
+        capturable = graph_capturable(model)
         if cuda_graphs is None:
-            cuda_graphs = model.device.type == "cuda"
+            cuda_graphs = model.device.type == "cuda" and capturable
         if cuda_graphs and model.device.type != "cuda":
             raise ValueError("cuda_graphs needs the model on a CUDA device")
+        if cuda_graphs and not capturable:
+            raise ValueError("cuda_graphs: this model's MoE layers take the per-expert loop (host syncs, not "
+                             "capturable); the grouped path needs backend='triton' and NVFP4 experts")
         self.graphs = DecodeGraphs(model, self.cache, max_slots, scratch_slot=max_slots) if cuda_graphs else None
         self._version = 0
         self.waiting: collections.deque[_Seq] = collections.deque()
