@@ -111,7 +111,8 @@ def test_linear_matches_fp64_reference(backend, wkind, scale_mode):
 
 INVARIANCE_MS = [1, 5, 16, 17, 40, 64, 100, 128, 129, 300]
 # (N, K, S = the K chunks): S = 1 (one chain), S > 1 split over programs (M <= 128) or walked in one (M > 128)
-INVARIANCE_SHAPES = ([(40, 64, 1), (40, 128, 2), (40, 96, 2), (40, 256, 4), (40, 224, 4)] if DEVICE == "cpu" else
+# (on the CPU interpreter one shape per chunk count, K not a power of two where it splits: CI time)
+INVARIANCE_SHAPES = ([(40, 64, 1), (40, 96, 2), (40, 224, 4)] if DEVICE == "cpu" else
                      [(17000, 1024, 1), (12288, 4096, 2), (1024, 1024, 8), (1536, 2048, 16), (1536, 2000, 16)])
 
 
