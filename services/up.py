@@ -1,13 +1,15 @@
 """`minite up`: the docker-compose topology as plain local processes, for machines without Docker.
 
-Builds the built-in tiny model if the model directory has none, starts the rollout service, the
-learner service (pointed at the rollout, told to exit after its last step) and, when a `prometheus`
-binary is on PATH, a Prometheus that scrapes both; then runs the RL job through the two services,
+Builds the built-in tiny model if the model directory has none, starts the rollout service (`--replicas
+N`: N rollout processes, the first on the rollout ports, the others on ports the OS picks), the learner
+service (pointed at every replica, told to exit after its last step) and, when a `prometheus` binary is
+on PATH, a Prometheus that scrapes them all; then runs the RL job through the two services,
 prints where the metrics are, and stops everything (or keeps it up with --keep-running). Each
 process logs to a file in the run directory; the learner's progress is echoed here.
 """
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -31,6 +33,8 @@ class UpSettings(BaseSettings):
     model_dir: Path = Field(Path("runs/tiny-model"), description="model checkpoint (the built-in tiny model is built here if missing)")
     run_dir: Path = Field(Path("runs/up"), description="logs, learner metrics and checkpoints, Prometheus data")
     steps: int = Field(150, ge=1, description="GRPO steps")
+    replicas: int = Field(1, ge=1, le=16, description="rollout replicas: the learner spreads prompts over them and "
+                                                      "pushes every weight version to all of them")
     prompts_per_step: int = Field(16, ge=1)
     host: str = "127.0.0.1"
     rollout_grpc_port: int = Field(50051, ge=1, le=65535)
@@ -45,11 +49,12 @@ class UpSettings(BaseSettings):
     startup_timeout: float = Field(300.0, gt=0, description="seconds to wait for each service to be ready")
 
 
-def prometheus_config(s: UpSettings) -> str:
+def prometheus_config(s: UpSettings, rollout_http: list[int] | None = None) -> str:
     """The deploy/prometheus/prometheus.yml topology with local addresses (same job names)."""
+    targets = ", ".join(f"'{s.host}:{p}'" for p in (rollout_http or [s.rollout_http_port]))
     return (f"global:\n  scrape_interval: {s.scrape_interval}\n  evaluation_interval: {s.scrape_interval}\n"
             "scrape_configs:\n"
-            f"  - job_name: minite-rollout\n    static_configs:\n      - targets: ['{s.host}:{s.rollout_http_port}']\n"
+            f"  - job_name: minite-rollout\n    static_configs:\n      - targets: [{targets}]\n"
             f"  - job_name: minite-learner\n    static_configs:\n      - targets: ['{s.host}:{s.learner_http_port}']\n")
 
 
@@ -58,7 +63,7 @@ class Proc:
     when a line starts with `ready_prefix`."""
 
     def __init__(self, name: str, cmd: list[str], log: Path, env: dict, ready_prefix: str | None = None, echo=False):
-        self.name, self.ready, self.lines = name, threading.Event(), []
+        self.name, self.ready, self.lines, self.ready_line = name, threading.Event(), [], ""
         self.log = log.open("w")
         self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                   start_new_session=True)
@@ -74,6 +79,7 @@ class Proc:
             self.log.flush()
             self.lines.append(line)
             if self.prefix and line.startswith(self.prefix):
+                self.ready_line = line
                 self.ready.set()
             if self.echo and (" step " in line or "finished" in line or "wait" in line or "ERROR" in line):
                 print(f"[{self.name}] {line.rstrip()}", flush=True)
@@ -98,6 +104,26 @@ class Proc:
         self.log.close()
 
 
+def _scrape(url: str, *names: str) -> list[float]:
+    """Values of unlabelled Prometheus samples (NaN when the endpoint or the sample is missing)."""
+    import urllib.request
+
+    try:
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+    except OSError:
+        return [float("nan")] * len(names)
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    return [values.get(n, float("nan")) for n in names]
+
+
+def _finished(summary: Path) -> bool:
+    """Has the learner written its final summary (the evaluation after the last step)?"""
+    try:
+        return "after" in json.loads(summary.read_text())
+    except (OSError, ValueError):
+        return False
+
+
 def up(s: UpSettings) -> int:
     s.run_dir.mkdir(parents=True, exist_ok=True)
     if not (s.model_dir / "config.json").exists():
@@ -112,28 +138,36 @@ def up(s: UpSettings) -> int:
     py = [sys.executable, "-m", "minite_core.cli"]
     procs: list[Proc] = []
     try:
-        rollout = Proc("rollout", py + ["rollout", "--model-dir", str(s.model_dir), "--host", s.host,
-                                        "--grpc-port", str(s.rollout_grpc_port), "--http-port", str(s.rollout_http_port)],
-                       s.run_dir / "rollout.log", env, "minite-rollout ready")
-        procs.append(rollout)
-        rollout.wait_ready(s.startup_timeout)
+        replicas = []  # (grpc port, http port) of each rollout replica
+        for i in range(s.replicas):
+            ports = (s.rollout_grpc_port, s.rollout_http_port) if i == 0 else (0, 0)
+            name = "rollout" if s.replicas == 1 else f"rollout-{i}"
+            rollout = Proc(name, py + ["rollout", "--model-dir", str(s.model_dir), "--host", s.host,
+                                       "--grpc-port", str(ports[0]), "--http-port", str(ports[1])],
+                           s.run_dir / f"{name}.log", env, "minite-rollout ready")
+            procs.append(rollout)
+            rollout.wait_ready(s.startup_timeout)
+            bound = dict(kv.split("=", 1) for kv in rollout.ready_line.split() if "=" in kv)
+            replicas.append((int(bound["grpc"]), int(bound["http"])))
         prom_bin = shutil.which("prometheus") if s.prometheus else None
         if prom_bin:
             cfg = s.run_dir / "prometheus.yml"
-            cfg.write_text(prometheus_config(s))
+            cfg.write_text(prometheus_config(s, [h for _, h in replicas]))
             procs.append(Proc("prometheus", [prom_bin, f"--config.file={cfg}", f"--storage.tsdb.path={s.run_dir / 'prometheus-data'}",
                                              f"--web.listen-address={s.host}:{s.prometheus_port}"],
                               s.run_dir / "prometheus.log", env))
         learner = Proc("learner", py + ["learner", "--model-dir", str(s.model_dir), "--host", s.host,
-                                        "--rollout", f"{s.host}:{s.rollout_grpc_port}", "--run-dir", str(s.run_dir / "learner"),
+                                        *[a for g, _ in replicas for a in ("--rollout", f"{s.host}:{g}")],
+                                        "--run-dir", str(s.run_dir / "learner"),
                                         "--grpc-port", str(s.learner_grpc_port), "--http-port", str(s.learner_http_port),
                                         "--steps", str(s.steps), "--prompts-per-step", str(s.prompts_per_step),
                                         *([] if s.keep_running else ["--exit-when-done"])],
                        s.run_dir / "learner.log", env, "minite-learner ready", echo=True)
         procs.append(learner)
         learner.wait_ready(s.startup_timeout)
-        print(f"rollout:  gRPC {s.host}:{s.rollout_grpc_port}, REST http://{s.host}:{s.rollout_http_port}/v1/completions, "
-              f"metrics http://{s.host}:{s.rollout_http_port}/metrics", flush=True)
+        for g, h in replicas:
+            print(f"rollout:  gRPC {s.host}:{g}, REST http://{s.host}:{h}/v1/completions, "
+                  f"metrics http://{s.host}:{h}/metrics", flush=True)
         print(f"learner:  gRPC {s.host}:{s.learner_grpc_port}, REST http://{s.host}:{s.learner_http_port}/v1/status, "
               f"metrics http://{s.host}:{s.learner_http_port}/metrics", flush=True)
         if prom_bin:
@@ -141,21 +175,23 @@ def up(s: UpSettings) -> int:
                   flush=True)
         else:
             print("prometheus: not installed (apt-get install prometheus), metrics are still served on /metrics", flush=True)
-        print(f"training {s.steps} GRPO steps through the two services; logs in {s.run_dir}/", flush=True)
+        print(f"training {s.steps} GRPO steps through the services; logs in {s.run_dir}/", flush=True)
         summary = s.run_dir / "learner" / "summary.json"
-        while learner.p.poll() is None and not (s.keep_running and summary.exists()):
+        while learner.p.poll() is None and not (s.keep_running and _finished(summary)):
             time.sleep(0.5)
         code = learner.p.returncode or 0
-        if code != 0 or not summary.exists():
+        if code != 0 or not _finished(summary):
             print(f"the learner exited with code {code}; see {s.run_dir / 'learner.log'}", file=sys.stderr)
             return 1
-        import json
-
         sm = json.loads(summary.read_text())
         hist = [json.loads(x) for x in (s.run_dir / "learner" / "metrics.jsonl").read_text().splitlines()]
         drift = max((m["sampling/sampling_logp_difference/max"] for m in hist), default=0.0)
         print(f"greedy reward on 128 fixed problems: {sm['before']['eval/reward']:.3f} -> {sm['after']['eval/reward']:.3f}; "
               f"max rollout/learner |Δlogp| over {len(hist)} steps: {drift:g}", flush=True)
+        for i, (g, h) in enumerate(replicas):
+            tokens, version = _scrape(f"http://{s.host}:{h}/metrics", "minite_generated_tokens_total", "minite_weight_version")
+            print(f"rollout replica {i} ({s.host}:{g}): {tokens:.0f} tokens sampled, serving weight version {version:.0f}",
+                  flush=True)
         print(f"learner metrics: {s.run_dir / 'learner' / 'metrics.jsonl'}, plot: {s.run_dir / 'learner' / 'reward_drift.png'}",
               flush=True)
         if s.keep_running:

@@ -5,6 +5,7 @@ must return data from it."""
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -148,13 +149,26 @@ def test_every_dashboard_panel_has_data(stack):
 
 
 def test_minite_up_runs_the_job(service_model, tmp_path):
-    """The README's main job, shortened: `minite up` starts both services (and Prometheus when installed),
-    runs the RL job through them, prints where the metrics are, and stops everything."""
+    """The README's main job, shortened, with two rollout replicas: `minite up` starts the services (and
+    Prometheus when installed), runs the RL job through them, prints where the metrics are, and stops
+    everything; both replicas sampled, and both serve the last weight version."""
+    import re
+
     ports = [str(free_port()) for _ in range(5)]
     r = subprocess.run([sys.executable, "-m", "minite_core.cli", "up", "--model-dir", str(service_model), "--run-dir",
                         str(tmp_path / "up"), "--steps", "2", "--prompts-per-step", "4", "--rollout-grpc-port", ports[0],
                         "--rollout-http-port", ports[1], "--learner-grpc-port", ports[2], "--learner-http-port", ports[3],
-                        "--prometheus-port", ports[4]], capture_output=True, text=True, timeout=600)
+                        "--prometheus-port", ports[4], "--replicas", "2"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"metrics http://127.0.0.1:{ports[1]}/metrics" in r.stdout and "max rollout/learner |Δlogp| over 2 steps: 0" in r.stdout
-    assert len((tmp_path / "up" / "learner" / "metrics.jsonl").read_text().splitlines()) == 2
+    rows = [json.loads(x) for x in (tmp_path / "up" / "learner" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    served = re.findall(r"rollout replica (\d) \(127.0.0.1:(\d+)\): (\d+) tokens sampled, serving weight version (\d+)", r.stdout)
+    assert [s[0] for s in served] == ["0", "1"] and served[0][1] == ports[0] and served[1][1] != ports[0], r.stdout
+    assert all(int(s[2]) > 0 for s in served), served  # the learner spread its prompts over both
+    assert {int(s[3]) for s in served} == {rows[-1]["weight_version"]}  # every version fanned out to both
+    rest = re.findall(r"REST http://127.0.0.1:(\d+)/v1/completions", r.stdout)
+    assert len(rest) == 2 and rest[0] == ports[1]
+    if shutil.which("prometheus"):  # Prometheus scrapes both replicas
+        cfg = (tmp_path / "up" / "prometheus.yml").read_text()
+        assert all(f"127.0.0.1:{p}" in cfg for p in rest), cfg
