@@ -103,7 +103,8 @@ class DecodeGraphs:
         serving = self.model.w
         self.model.w = self.weights
         try:
-            return self.model(self.ids[:b], self.pos[:b], self.cache, self.slots[:b], check_ids=False)
+            return self.model(self.ids[:b], self.pos[:b], self.cache, self.slots[:b], check_ids=False,
+                              logits_dtype=self.model.dtype)  # as the learner: see RolloutEngine._forward
         finally:
             self.model.w = serving
 

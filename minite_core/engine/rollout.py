@@ -300,8 +300,11 @@ class RolloutEngine:
         self.model.w = seqs[0].request.weights
         slots = torch.tensor([q.slot for q in seqs]).to(self.model.device, non_blocking=True)
         try:
+            # logits in the model dtype, exactly as the Learner takes them: on the GPU the log-softmax
+            # kernel's final reduction follows the load width, so fp32 and bf16 inputs holding the same
+            # values can differ in the last bit
             return self.model(ids, pos, self.cache, slots, capture=self._capture_rows(capture, seqs, lengths),
-                              check_ids=False, logits_at=logits_at)
+                              check_ids=False, logits_at=logits_at, logits_dtype=self.model.dtype)
         finally:
             self.model.w = serving
 

@@ -10,8 +10,12 @@ Callers form log_softmax = z - lse and a token's logprob = z[token] - lse with t
 z = x / T (IEEE division), so the rollout's full-vocabulary logprob at the sampled token and the
 learner's gathered one are equal bit for bit. The learner's fused path (`TokenLogprob`) never
 materializes z or the log-softmax over the vocabulary in the forward, and takes the logits in the model's
-dtype (bf16): the kernels upcast each element exactly, so bf16 logits give the bits of their `.float()`
-copy, without the fp32 [R, V] copy.
+dtype (bf16): the kernels upcast each element exactly, so bf16 logits hold the values of their `.float()`
+copy, without the fp32 [R, V] copy. The *bits* of the final `tl.sum` are another matter on the GPU: the
+compiler lays the row block out by the load width (8 bf16 or 4 fp32 values per 16-byte load), and the
+within-thread part of the reduction follows that layout, so the same values read as bf16 or as fp32 can
+differ in the last bit (the interpreter sums in one order and cannot show it). Both engines therefore
+pass logits in the model dtype.
 
 Its backward, grad = g * (onehot(token) - exp(z - lse)) / T, is one more kernel: a program owns BLOCK
 columns of one row, recomputes z with the same IEEE division, forms (-g * p) (+ g at the token), divides
