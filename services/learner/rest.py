@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from minite_core.engine.rollout import MAX_TEMPERATURE, MIN_TEMPERATURE
 
 from ..common.rpc import token_ok
+from ..common.http import is_json, strip_422
 from ..common.metrics import add_metrics_route
 from .runtime import LearnerRuntime, UnknownVersion
 
@@ -62,11 +63,6 @@ def _errors(*statuses: int) -> dict:
     return {s: {"model": ErrorBody, "description": what[s]} for s in statuses}
 
 
-def _is_json(content_type: str) -> bool:
-    media = content_type.split(";", 1)[0].strip().lower()
-    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
-
-
 def loop_failed(rt: LearnerRuntime) -> bool:
     """Has the training loop ended on an error (not finished, not stopped, not still waiting for a replica)?"""
     t = rt.thread
@@ -80,7 +76,7 @@ def build_app(rt: LearnerRuntime) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         ctype = request.headers.get("content-type", "")
-        if request.method == "POST" and not _is_json(ctype):
+        if request.method == "POST" and not is_json(ctype):
             return _error(415, f"the request body must be JSON (Content-Type: application/json), got "
                           f"{ctype or 'no Content-Type'}")
         parts = [f"{'.'.join(str(x) for x in e['loc'] if x != 'body') or 'body'}: {e['msg']}" for e in exc.errors()]
@@ -124,21 +120,5 @@ def build_app(rt: LearnerRuntime) -> FastAPI:
                                  "error": {"message": "the learner is shutting down", "code": 503}}, status_code=503)
         return {"status": "ok", "weight_version": rt.version, "step": rt.trainer.step_idx}
 
-    _strip_422(app)
+    strip_422(app)
     return app
-
-
-def _strip_422(app: FastAPI) -> None:
-    """FastAPI documents a 422 for every operation with input; this app answers 400 instead (documented)."""
-    build = app.openapi
-
-    def openapi():
-        if app.openapi_schema is None:
-            schema = build()
-            for item in schema.get("paths", {}).values():
-                for op in item.values():
-                    op.get("responses", {}).pop("422", None)
-            for name in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(name, None)
-        return app.openapi_schema
-    app.openapi = openapi

@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from minite_core.engine import SamplingParams
 from minite_core.engine.rollout import MAX_TEMPERATURE, MIN_TEMPERATURE
 
+from ..common.http import is_json, strip_422
 from ..common.metrics import add_metrics_route
 from .runtime import Overloaded, RolloutRuntime
 
@@ -58,27 +59,6 @@ def _errors(*statuses: int) -> dict:
     what = {400: "bad request (the message says which field and why)", 404: "unknown model",
             415: "the body is not JSON", 429: "the queue is full: retry later", 503: "shutting down"}
     return {s: {"model": ErrorBody, "description": what[s]} for s in statuses}
-
-
-def _is_json(content_type: str) -> bool:
-    media = content_type.split(";", 1)[0].strip().lower()
-    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
-
-
-def _strip_422(app: FastAPI) -> None:
-    """FastAPI documents a 422 for every operation with input; this app answers 400 instead (documented)."""
-    build = app.openapi
-
-    def openapi():
-        if app.openapi_schema is None:
-            schema = build()
-            for item in schema.get("paths", {}).values():
-                for op in item.values():
-                    op.get("responses", {}).pop("422", None)
-            for name in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(name, None)
-        return app.openapi_schema
-    app.openapi = openapi
 
 
 INT64 = 2**63
@@ -156,7 +136,7 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
     async def _validation(request: Request, exc: RequestValidationError):
         rt.metrics.requests.labels("rest", "error").inc()
         ctype = request.headers.get("content-type", "")
-        if request.method == "POST" and not _is_json(ctype):
+        if request.method == "POST" and not is_json(ctype):
             return _error(415, f"the request body must be JSON (Content-Type: application/json), got "
                           f"{ctype or 'no Content-Type'}", "invalid_request_error")
         parts = [f"{'.'.join(str(x) for x in e['loc'] if x != 'body') or 'body'}: {e['msg']}" for e in exc.errors()]
@@ -337,7 +317,7 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
             return JSONResponse({"status": "draining", "weight_version": rt.version}, status_code=503)
         return {"status": "ok", "weight_version": rt.version}
 
-    _strip_422(app)
+    strip_422(app)
     return app
 
 
