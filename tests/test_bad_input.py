@@ -139,6 +139,8 @@ BAD_UTF8_TEXT = b"\x12\x02\xff\xfe"  # GenerateRequest.text (field 2) holding by
 
 
 def _varint(n: int) -> bytes:
+    """A protobuf varint written here, not taken from services/common/weights.py: these tests craft wire
+    bytes (negative numbers included) independently of the code under test."""
     n &= 2**64 - 1  # negative numbers as protobuf writes them (ten bytes, two's complement)
     out = bytearray()
     while True:
@@ -300,19 +302,25 @@ def _update_cases(rt):
     ]
 
 
+def _stream_refusals(channel, method, cases) -> list[str]:
+    """Send each (name, messages, code, words) client stream; list those not refused with `code` and `words`."""
+    failures = []
+    for name, msgs, code, words in cases:
+        try:
+            _client_stream(channel, method, msgs, metadata=AUTH)
+            failures.append(f"{name}: accepted")
+        except grpc.RpcError as e:
+            if e.code() != code or not e.details() or words not in e.details():
+                failures.append(f"{name}: {e.code()} {e.details()!r}")
+    return failures
+
+
 def test_update_weights_refuses(rollout, channels):
     rt = rollout[0]
     before = rt.version
     cases = _update_cases(rt)
     assert len({c[0] for c in cases}) == len(cases)
-    failures = []
-    for name, msgs, code, words in cases:
-        try:
-            _client_stream(channels[0], UPDATE, msgs, metadata=AUTH)
-            failures.append(f"{name}: accepted")
-        except grpc.RpcError as e:
-            if e.code() != code or not e.details() or words not in e.details():
-                failures.append(f"{name}: {e.code()} {e.details()!r}")
+    failures = _stream_refusals(channels[0], UPDATE, cases)
     assert not failures, failures
     assert rt.version == before  # nothing was applied
 
@@ -401,14 +409,7 @@ def test_submit_trajectories_refuses(learner, channels, limits):
     rt = learner[0]
     cases = _submit_cases(limits, rt.version)
     observed_before = _observed(rt.metrics.abs_diff)
-    failures = []
-    for name, msgs, code, words in cases:
-        try:
-            _client_stream(channels[1], SUBMIT, msgs, metadata=AUTH)
-            failures.append(f"{name}: accepted")
-        except grpc.RpcError as e:
-            if e.code() != code or not e.details() or words not in e.details():
-                failures.append(f"{name}: {e.code()} {e.details()!r}")
+    failures = _stream_refusals(channels[1], SUBMIT, cases)
     assert not failures, failures
     assert _observed(rt.metrics.abs_diff) == observed_before  # no drift was recorded from a refused batch
 
