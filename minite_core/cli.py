@@ -98,23 +98,36 @@ def _diagnose(args) -> int:
 def _train(args) -> int:
     from pathlib import Path
 
+    from .rl import distributed
     from .rl.grpo import GRPOConfig
     from .rl.tiny import build_tiny_model
     from .rl.trainer import TrainConfig, run
 
+    group = distributed.setup(args.data_parallel)  # under torchrun: this rank's place (None: one process)
+    lead = group is None or group.leader
     model_dir = Path(args.model_dir or ("runs/tiny-moe" if args.moe else "runs/tiny-model"))
     if args.model_dir and not (model_dir / "config.json").exists():
         raise FileNotFoundError(f"{model_dir} has no config.json (leave out --model-dir to build the built-in model)")
-    if not (model_dir / "config.json").exists():
+    if lead and not (model_dir / "config.json").exists():
         print(f"building the built-in tiny model in {model_dir} (supervised warm-up, about a minute)")
         build_tiny_model(model_dir, seed=args.seed, moe=args.moe)
+    if group is not None:
+        group.barrier()
     cfg = TrainConfig(model_dir=str(model_dir), run_dir=args.run_dir, precision=args.precision, backward=args.backward,
                       steps=args.steps, prompts_per_step=args.prompts, seed=args.seed, learning_rate=args.lr,
-                      rollout_knobs=_parse_knobs(args.rollout_knob),
+                      rollout_knobs=_parse_knobs(args.rollout_knob), data_parallel=args.data_parallel,
+                      checkpoint_every=args.checkpoint_every, device=args.device, backend=args.backend,
                       grpo=GRPOConfig(num_generations=args.generations, max_completion_length=4))
     import json
 
     history = run(cfg, resume=args.resume)
+    if group is not None:
+        group.barrier()
+        import torch.distributed
+
+        torch.distributed.destroy_process_group()
+    if not lead:
+        return 0
     summary = json.loads((Path(args.run_dir) / "summary.json").read_text())
     b, a = summary["before"], summary["after"]
     k = min(10, len(history))
@@ -182,12 +195,17 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--resume", action="store_true", help="continue from the run directory's checkpoint")
     train.add_argument("--rollout-knob", action="append", metavar="NAME=VALUE", help="misalign the rollout engine")
+    train.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
+    train.add_argument("--device", default="cpu", help="torch device (a data-parallel rank on a GPU host takes its own GPU)")
+    train.add_argument("--backend", choices=["torch", "triton"], default="torch")
+    train.add_argument("--data-parallel", choices=["none", "ddp", "fsdp"], default="none",
+                       help="one learner over the ranks of torchrun (torchrun --nproc-per-node N -m minite_core.cli train ...)")
     build = sub.add_parser("build-model", help="build the built-in tiny model (supervised warm-up, deterministic)")
     build.add_argument("--out", default="runs/tiny-model")
     build.add_argument("--moe", action="store_true")
     build.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    for name in ("m", "n", "k", "prompts", "max_tokens", "slots", "steps", "generations"):
+    for name in ("m", "n", "k", "prompts", "max_tokens", "slots", "steps", "generations", "checkpoint_every"):
         if getattr(args, name, 1) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     if getattr(args, "k", 16) % 16:

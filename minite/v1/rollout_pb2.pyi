@@ -154,6 +154,82 @@ class UpdateWeightsResponse(_message.Message):
     aborted_sequences: int
     def __init__(self, version: _Optional[int] = ..., bytes: _Optional[int] = ..., tensors: _Optional[int] = ..., seconds: _Optional[float] = ..., aborted_sequences: _Optional[int] = ...) -> None: ...
 
+class CpuArena(_message.Message):
+    __slots__ = ("manager_handle", "filename", "size")
+    MANAGER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    FILENAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    manager_handle: bytes
+    filename: bytes
+    size: int
+    def __init__(self, manager_handle: _Optional[bytes] = ..., filename: _Optional[bytes] = ..., size: _Optional[int] = ...) -> None: ...
+
+class CudaArena(_message.Message):
+    __slots__ = ("device", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "device_uuid")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    device_uuid: str
+    def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+
+class SharedPart(_message.Message):
+    __slots__ = ("part", "part_shape", "offset", "nbytes", "crc32", "checksum")
+    PART_FIELD_NUMBER: _ClassVar[int]
+    PART_SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    part: str
+    part_shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    nbytes: int
+    crc32: int
+    checksum: int
+    def __init__(self, part: _Optional[str] = ..., part_shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., crc32: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class SharedTensor(_message.Message):
+    __slots__ = ("name", "format", "shape", "parts")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    format: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    parts: _containers.RepeatedCompositeFieldContainer[SharedPart]
+    def __init__(self, name: _Optional[str] = ..., format: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., parts: _Optional[_Iterable[_Union[SharedPart, _Mapping]]] = ...) -> None: ...
+
+class SharedUpdate(_message.Message):
+    __slots__ = ("version", "mode", "cpu", "cuda", "boot_id", "tensors")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    CPU_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    mode: UpdateMode
+    cpu: CpuArena
+    cuda: CudaArena
+    boot_id: str
+    tensors: _containers.RepeatedCompositeFieldContainer[SharedTensor]
+    def __init__(self, version: _Optional[int] = ..., mode: _Optional[_Union[UpdateMode, str]] = ..., cpu: _Optional[_Union[CpuArena, _Mapping]] = ..., cuda: _Optional[_Union[CudaArena, _Mapping]] = ..., boot_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[SharedTensor, _Mapping]]] = ...) -> None: ...
+
 class GetWeightVersionRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -49,6 +49,11 @@ class RolloutServiceStub:
                 request_serializer=minite_dot_v1_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=minite_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.UpdateWeightsShared = channel.unary_unary(
+                '/minite.v1.RolloutService/UpdateWeightsShared',
+                request_serializer=minite_dot_v1_dot_rollout__pb2.SharedUpdate.SerializeToString,
+                response_deserializer=minite_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
         self.GetWeightVersion = channel.unary_unary(
                 '/minite.v1.RolloutService/GetWeightVersion',
                 request_serializer=minite_dot_v1_dot_rollout__pb2.GetWeightVersionRequest.SerializeToString,
@@ -82,6 +87,17 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateWeightsShared(self, request, context):
+        """The same update from a learner on the same host: the packed tensors lie in a shared-memory arena the
+        learner owns (CPU /dev/shm file or CUDA IPC buffer); the replica copies them out and checks them
+        before it answers, after which the learner may overwrite the arena. An arena the replica cannot open
+        is FAILED_PRECONDITION "shared weight sync unavailable: ..." (the learner then streams instead).
+        Same token, same version rule, same atomicity as UpdateWeights.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetWeightVersion(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -104,6 +120,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
             'UpdateWeights': grpc.stream_unary_rpc_method_handler(
                     servicer.UpdateWeights,
                     request_deserializer=minite_dot_v1_dot_rollout__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=minite_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'UpdateWeightsShared': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsShared,
+                    request_deserializer=minite_dot_v1_dot_rollout__pb2.SharedUpdate.FromString,
                     response_serializer=minite_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.SerializeToString,
             ),
             'GetWeightVersion': grpc.unary_unary_rpc_method_handler(
@@ -192,6 +213,33 @@ class RolloutService:
             target,
             '/minite.v1.RolloutService/UpdateWeights',
             minite_dot_v1_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
+            minite_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsShared(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minite.v1.RolloutService/UpdateWeightsShared',
+            minite_dot_v1_dot_rollout__pb2.SharedUpdate.SerializeToString,
             minite_dot_v1_dot_rollout__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,

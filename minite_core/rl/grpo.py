@@ -114,3 +114,12 @@ def grpo_loss(logp: torch.Tensor, logp_rollout: torch.Tensor, advantages: torch.
         "sampling/importance_sampling_ratio/max": float(rho[on].max()) if diff.numel() else 1.0,
     }
     return loss, metrics
+
+
+def shard_share(cfg: GRPOConfig, mask_shard: torch.Tensor, mask_all: torch.Tensor) -> float:
+    """The fraction of the global batch's loss normalizer that `grpo_loss` on a shard of its rows divides
+    by (sequences for "grpo" and "dr_grpo", completion tokens for "dapo"): shard loss x share summed over
+    the shards is the global loss (the data-parallel learner, distributed.py)."""
+    if cfg.loss_type == "dapo":
+        return float(mask_shard.sum().clamp(min=1)) / float(mask_all.sum().clamp(min=1))
+    return mask_shard.shape[0] / mask_all.shape[0]

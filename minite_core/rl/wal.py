@@ -108,24 +108,34 @@ class TrajectoryLog:
                 for c in rec["completions"]]
 
 
-def write_atomically(path, write) -> None:
+def write_atomically(path, write, group=None) -> None:
     """Call write(tmp_dir) to fill a fresh directory, fsync it, then put it at `path` by renames: readers
-    (`latest`) see the old checkpoint or the new one, never a mix."""
+    (`latest`) see the old checkpoint or the new one, never a mix. With a data-parallel `group`
+    (distributed.Group) every rank calls this: rank 0 prepares and swaps, every rank writes its part."""
     path = Path(path)
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    lead = group is None or group.leader
+    if lead:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    if group is not None:
+        group.barrier()
     write(tmp)
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    _fsync_dir(tmp)
-    if path.exists():
+    if group is not None:
+        group.barrier()
+    if lead:
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+        os.rename(tmp, path)
+        _fsync_dir(path.parent)
         shutil.rmtree(old, ignore_errors=True)
-        os.rename(path, old)
-    os.rename(tmp, path)
-    _fsync_dir(path.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    if group is not None:
+        group.barrier()
 
 
 def latest(path) -> Path | None:

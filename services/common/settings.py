@@ -91,9 +91,28 @@ class LearnerSettings(_Common):
     learning_rate: float = Field(5e-4, gt=0)
     seed: int = 0
     chunk_mb: float = Field(2.0, ge=1.0, le=4.0, description="weight-push message size, MiB")
+    weight_sync: str = Field("auto", description="how weight versions reach the replicas: grpc (a stream of chunks), "
+                             "shared (a shared-memory arena: /dev/shm or CUDA IPC; a replica that cannot open it is "
+                             "streamed to) or auto (shared for replicas on this host, grpc for the others)")
     checkpoint_every: int = Field(10, ge=1, description="steps between checkpoints (the trajectory log covers the rest)")
     keep_versions: int = Field(4, ge=1, le=1024, description="recent weight versions kept for Score at an older version")
     exit_when_done: bool = Field(False, description="stop the service after the last step")
+    data_parallel: str = Field("none", description="none, or ddp / fsdp: one learner over the ranks torchrun starts "
+                               "(rank 0 serves; the others train with it)")
+
+    @field_validator("weight_sync")
+    @classmethod
+    def _weight_sync(cls, v):
+        if v not in ("grpc", "shared", "auto"):
+            raise ValueError(f"weight_sync must be grpc, shared or auto, not {v!r}")
+        return v
+
+    @field_validator("data_parallel")
+    @classmethod
+    def _data_parallel(cls, v):
+        if v not in ("none", "ddp", "fsdp"):
+            raise ValueError(f"data_parallel must be none, ddp or fsdp, not {v!r}")
+        return v
 
     @field_validator("rollout")
     @classmethod

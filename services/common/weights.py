@@ -7,9 +7,16 @@ codes per byte), "scale" (float8_e4m3fn, one per 16 values) and "global_scale" (
 split into chunks (1-4 MiB); every chunk carries the CRC-32 of its payload, checked on arrival. The stream is UpdateBegin, the chunks, UpdateEnd; the receiver builds the new weight set
 beside the serving one and hands it over only after UpdateEnd with every tensor present and verified,
 so a bad or cut stream leaves nothing half applied.
+
+The checks on what arrives (`check_begin`, `check_tensor`, `check_part`, `check_complete`) and the final
+assembly with its value checks (`assemble`) are shared with the same-host path (shared_weights.py): one
+implementation for both. `SharedFrames` lets N streams of one version send the same framed chunks
+(framed once, a bounded window of them held).
 """
 from __future__ import annotations
 
+import collections
+import threading
 import zlib
 
 import torch
@@ -94,6 +101,67 @@ def _frames(weights: dict, chunk_bytes: int):
                 yield b"".join((_CHUNK_FIELD, _varint(inner), head, _PAYLOAD_FIELD, _varint(len(payload)), payload))
 
 
+class SharedFrames:
+    """The messages of one push, framed once and read by `n` streams at once (one per replica).
+
+    `stream(i)` iterates them for stream i. A message is framed the first time a stream needs it (by that
+    stream's thread) and dropped once every stream has passed it; a stream more than `window` messages
+    ahead of the slowest waits for it, so at most about `window` chunks are held whatever N is. A stream
+    whose call ended, successful or not, must `leave(i)`, so it holds nobody back."""
+
+    def __init__(self, messages, n: int, window: int = 32):
+        self.src, self.window = iter(messages), window
+        self.buf: collections.deque = collections.deque()
+        self.base = 0  # index of buf[0]
+        self.pos = [0] * n
+        self.active = set(range(n))
+        self.exhausted = False
+        self.cond = threading.Condition()
+
+    def stream(self, i: int):
+        try:
+            while True:
+                with self.cond:
+                    frame = self._next(i)
+                if frame is None:
+                    return
+                yield frame
+        finally:
+            self.leave(i)
+
+    def _next(self, i: int):
+        while i in self.active:
+            p = self.pos[i]
+            if p < self.base + len(self.buf):
+                frame = self.buf[p - self.base]
+                self.pos[i] = p + 1
+                self._trim()
+                return frame
+            if self.exhausted:
+                return None
+            if p - min(self.pos[j] for j in self.active) < self.window:
+                try:
+                    self.buf.append(next(self.src))
+                except StopIteration:
+                    self.exhausted = True
+                self.cond.notify_all()
+            else:
+                self.cond.wait(1.0)
+        return None
+
+    def _trim(self) -> None:
+        low = min((self.pos[j] for j in self.active), default=self.base + len(self.buf))
+        while self.base < low and self.buf:
+            self.buf.popleft()
+            self.base += 1
+        self.cond.notify_all()
+
+    def leave(self, i: int) -> None:
+        with self.cond:
+            self.active.discard(i)
+            self._trim()
+
+
 UPDATE_METHOD = "/minite.v1.RolloutService/UpdateWeights"
 
 
@@ -131,6 +199,80 @@ def _aligned(n: int, to: int = 64) -> int:
     return (n + to - 1) // to * to
 
 
+def arena_bytes(expected: dict[str, tuple[str, tuple]]) -> int:
+    """Bytes of one arena holding every part of `expected`, each at a 64-byte aligned offset (the largest
+    allowed shape of a part is reserved)."""
+    return sum(_aligned(max(_nbytes(fmt, part, ps) for ps in shapes))
+               for fmt, shape in expected.values() for part, shapes in _expected_parts(fmt, tuple(shape)).items())
+
+
+# -- the checks both receive paths share (the stream here, the shared-memory arena in shared_weights.py) --
+def check_begin(version: int, num_tensors: int, expected: dict, serving: int) -> None:
+    """A push's header against the serving version and the model."""
+    if version <= serving:
+        raise WeightError(f"stale weight version {version}: serving version {serving}")
+    if num_tensors != len(expected):
+        raise WeightError(f"the update announces {num_tensors} tensors; the model has {len(expected)}")
+
+
+def check_tensor(expected: dict, name: str, fmt: str, shape: tuple) -> dict[str, list[tuple]]:
+    """A tensor's name, format and logical shape against the model -> its allowed parts and part shapes."""
+    if name not in expected:
+        raise WeightError(f"unknown tensor {name!r}")
+    want_fmt, want_shape = expected[name]
+    if fmt != want_fmt:
+        raise WeightError(f"{name}: format {fmt!r}, the model holds {want_fmt!r}")
+    if tuple(shape) != tuple(want_shape):
+        raise WeightError(f"{name}: shape {tuple(shape)}, the model holds {tuple(want_shape)}")
+    return _expected_parts(fmt, tuple(shape))
+
+
+def check_part(name: str, fmt: str, allowed: dict, part: str, part_shape: tuple, nbytes: int) -> torch.dtype:
+    """One part's name, shape and byte size -> its dtype."""
+    if part not in allowed:
+        raise WeightError(f"{name}: unknown part {part!r} for format {fmt} (parts: {sorted(allowed)})")
+    if tuple(part_shape) not in allowed[part]:
+        raise WeightError(f"{name}.{part}: shape {tuple(part_shape)}, expected one of {allowed[part]}")
+    size = _nbytes(fmt, part, tuple(part_shape))
+    if nbytes != size:
+        raise WeightError(f"{name}.{part}: {nbytes} bytes announced, {size} expected")
+    return _part_dtype(fmt, part)
+
+
+def _has_nan_scale(scale: torch.Tensor) -> bool:
+    """Any e4m3fn NaN (S.1111.111)? On the CPU in numpy: one pass on one thread (torch's elementwise ops
+    wake its thread pool for every small tensor, which dominates a push on a busy small host)."""
+    if scale.device.type == "cpu":
+        codes = scale.reshape(-1).view(torch.uint8).numpy()
+        return bool(((codes & 0x7F) == 0x7F).any())
+    return bool(((scale.view(torch.uint8) & 0x7F) == 0x7F).any())
+
+
+def assemble(name: str, fmt: str, shape: tuple, got: dict[str, torch.Tensor]):
+    """The received parts (typed and shaped, views into the receiver's own memory) -> the weight, after
+    the value checks: NVFP4 global scales finite and > 0, no NaN block scale; plain tensors finite."""
+    if fmt == "nvfp4":
+        gs = got["global_scale"]
+        if not bool(torch.isfinite(gs).all()) or not bool((gs > 0).all()):
+            raise WeightError(f"{name}: global scale must be finite and > 0")
+        if _has_nan_scale(got["scale"]):
+            raise WeightError(f"{name}: NaN block scale")
+        try:
+            return NVFP4Tensor(got["data"], got["scale"], gs, shape)
+        except ValueError as e:
+            raise WeightError(f"{name}: {e}") from None
+    t = got["data"]
+    if t.numel() and not all(bool(torch.isfinite(v)) for v in torch.aminmax(t)):  # NaN/Inf reach min or max
+        raise WeightError(f"{name}: contains NaN or Inf")
+    return t
+
+
+def check_complete(expected: dict, tensors: dict) -> None:
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise WeightError(f"{len(missing)} tensor(s) missing or incomplete, e.g. {missing[0]!r}")
+
+
 class WeightAssembler:
     """Receives one push against `expected` = {name: (format, shape)} (the serving model's weights) and
     the serving version; `feed` each message, then `result()` -> (version, abort_in_flight, weights).
@@ -155,15 +297,11 @@ class WeightAssembler:
             if self.begin is not None:
                 raise WeightError("a second UpdateBegin in one stream")
             b = msg.begin
-            if b.version <= self.serving:
-                raise WeightError(f"stale weight version {b.version}: serving version {self.serving}")
-            if b.num_tensors != len(self.expected):
-                raise WeightError(f"UpdateBegin announces {b.num_tensors} tensors; the model has {len(self.expected)}")
+            check_begin(b.version, b.num_tensors, self.expected, self.serving)
             self.begin = b
             # one arena for the whole push, each part a slice of it: the receiver can hand in the memory of a
             # retired version (first touches of fresh pages cost more than the copy itself)
-            cap = sum(_aligned(max(_nbytes(fmt, part, ps) for ps in shapes))
-                      for fmt, shape in self.expected.values() for part, shapes in _expected_parts(fmt, tuple(shape)).items())
+            cap = arena_bytes(self.expected)
             self.arena = self.arena_pool(cap) if self.arena_pool is not None else torch.empty(cap, dtype=torch.uint8)
             self.arena_view = memoryview(self.arena.numpy())
             self.top = 0
@@ -176,14 +314,8 @@ class WeightAssembler:
         self._chunk(msg.chunk)
 
     def _chunk(self, c) -> None:
-        if c.name not in self.expected:
-            raise WeightError(f"unknown tensor {c.name!r}")
+        allowed = check_tensor(self.expected, c.name, c.format, tuple(c.shape))
         fmt, shape = self.expected[c.name]
-        if c.format != fmt:
-            raise WeightError(f"{c.name}: format {c.format!r}, the model holds {fmt!r}")
-        if tuple(c.shape) != tuple(shape):
-            raise WeightError(f"{c.name}: shape {tuple(c.shape)}, the model holds {tuple(shape)}")
-        allowed = _expected_parts(fmt, tuple(shape))
         if c.part not in allowed:
             raise WeightError(f"{c.name}: unknown part {c.part!r} for format {fmt} (parts: {sorted(allowed)})")
         if c.name in self.tensors:
@@ -191,12 +323,8 @@ class WeightAssembler:
         key = (c.name, c.part)
         st = self.parts.get(key)
         if st is None:
-            if tuple(c.part_shape) not in allowed[c.part]:
-                raise WeightError(f"{c.name}.{c.part}: shape {tuple(c.part_shape)}, expected one of {allowed[c.part]}")
-            dtype = _part_dtype(fmt, c.part)
-            size = _nbytes(fmt, c.part, tuple(c.part_shape))
-            if c.part_bytes != size:
-                raise WeightError(f"{c.name}.{c.part}: {c.part_bytes} bytes announced, {size} expected")
+            dtype = check_part(c.name, fmt, allowed, c.part, tuple(c.part_shape), c.part_bytes)
+            size = c.part_bytes
             lo, self.top = self.top, self.top + _aligned(size)  # never past the arena: each part comes once
             st = self.parts[key] = {"tensor": self.arena[lo:lo + size], "buf": self.arena_view[lo:lo + size],
                                     "filled": 0, "shape": tuple(c.part_shape), "dtype": dtype}
@@ -226,28 +354,12 @@ class WeightAssembler:
             got[part] = st["tensor"].view(st["dtype"]).reshape(st["shape"])
         for part in names:
             del self.parts[(name, part)]
-        if fmt == "nvfp4":
-            gs = got["global_scale"]
-            if not bool(torch.isfinite(gs).all()) or not bool((gs > 0).all()):
-                raise WeightError(f"{name}: global scale must be finite and > 0")
-            if bool(((got["scale"].view(torch.uint8) & 0x7F) == 0x7F).any()):  # e4m3fn NaN: S.1111.111
-                raise WeightError(f"{name}: NaN block scale")
-            try:
-                self.tensors[name] = NVFP4Tensor(got["data"], got["scale"], gs, shape)
-            except ValueError as e:
-                raise WeightError(f"{name}: {e}") from None
-        else:
-            t = got["data"]
-            if t.numel() and not all(bool(torch.isfinite(v)) for v in torch.aminmax(t)):  # NaN/Inf reach min or max
-                raise WeightError(f"{name}: contains NaN or Inf")
-            self.tensors[name] = t
+        self.tensors[name] = assemble(name, fmt, shape, got)
 
     def result(self) -> tuple[int, bool, dict]:
         if self.begin is None:
             raise WeightError("empty stream: no UpdateBegin")
         if not self.ended:
             raise WeightError("stream ended without UpdateEnd (truncated push)")
-        missing = sorted(set(self.expected) - set(self.tensors))
-        if missing:
-            raise WeightError(f"{len(missing)} tensor(s) missing or incomplete, e.g. {missing[0]!r}")
+        check_complete(self.expected, self.tensors)
         return self.begin.version, self.begin.mode == pb.UPDATE_MODE_ABORT_IN_FLIGHT, self.tensors

@@ -57,6 +57,8 @@ def serve(settings: LearnerSettings) -> bool:
         if not stopped["loop_was_running"]:
             stopped["loop_was_running"] = runtime.thread.is_alive()
         _stop_loop(runtime, settings.drain_timeout)
+        if not runtime.thread.is_alive():
+            runtime.trainer.end()  # (a data-parallel learner: release the other ranks, if the loop did not)
         server.stop(grace=3).wait()
         log.info("stopped")
     # a non-zero exit when the training loop failed on its own (not when it was stopped in a step that waited)
@@ -79,9 +81,31 @@ def _stop_loop(runtime: LearnerRuntime, timeout: float) -> None:
     runtime.rollout.pool.shutdown(wait=False, cancel_futures=True)
 
 
+def follow(settings: LearnerSettings) -> None:
+    """A data-parallel rank other than 0: no servers; train with rank 0 until it ends the run."""
+    from minite_core.rl.trainer import Follower, Trainer, run
+
+    from .runtime import train_config
+
+    import signal
+
+    setup_logging(settings.log_level)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 drains and ends the run; torchrun SIGKILLs a stuck rank
+        signal.signal(sig, signal.SIG_IGN)
+    cfg = train_config(settings)
+    run(cfg, trainer=Trainer(cfg, Follower()))
+
+
 def main(argv: list[str]) -> int:
     settings = parse(LearnerSettings, argv, "minite learner")
     try:
+        if settings.data_parallel != "none":
+            from minite_core.rl import distributed
+
+            group = distributed.setup(settings.data_parallel)
+            if not group.leader:
+                follow(settings)
+                return 0
         if not serve(settings):
             return 1
     except (FileNotFoundError, ValueError, RuntimeError) as e:  # start-up problems: a model dir, a port, a flag

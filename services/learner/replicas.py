@@ -3,15 +3,25 @@ fanned out to all of them, over gRPC.
 
 `generate` splits the prompts round-robin over the healthy replicas and calls Generate concurrently,
 at most `MAX_IN_FLIGHT` requests per replica (a replica's queue is bounded: more would be refused), and
-retries a call the replica refused as overloaded after a short back-off; `update` pushes a weight version to every replica at once (the
-packed tensors are serialized once; each replica gets its own stream). A replica that is down is
-reported and retried on the next call; with no replica reachable, calls raise ReplicaError and the
-learner loop waits and reports instead of crashing.
+retries a call the replica refused as overloaded after a short back-off; `update` pushes a weight version to every replica at once. A
+replica that is down is reported and retried on the next call; with no replica reachable, calls raise
+ReplicaError and the learner loop waits and reports instead of crashing.
+
+Weight sync (`weight_sync`): a replica on this host (auto: its address is loopback or one of this host's
+addresses; shared: every replica) gets UpdateWeightsShared: the version is written once into the
+learner's shared-memory arena (services/common/shared_weights.py: /dev/shm, or CUDA IPC when the weights
+are on a GPU) and each such replica copies it out. A replica that answers "shared weight sync
+unavailable" (another host, another container, a GPU it does not see) or does not know the RPC is
+streamed to instead, from then on (logged once). The others get the gRPC stream; with several of them
+the chunks are framed once per version and every stream sends the same frames (weights.SharedFrames:
+memory bounded by a window of chunks, not by N).
 """
 from __future__ import annotations
 
 import collections
+import ipaddress
 import logging
+import socket
 import threading
 import time
 from concurrent import futures
@@ -24,10 +34,37 @@ from minite.v1 import rollout_pb2_grpc as pb_grpc
 from minite_core.engine import Completion, SamplingParams
 
 from ..common import rpc
-from ..common.weights import encode_update, raw_update_call
+from ..common.shared_weights import UNAVAILABLE, Arena
+from ..common.weights import SharedFrames, encode_update, raw_update_call
 
 log = logging.getLogger("minite.learner")
 MAX_IN_FLIGHT = 8  # Generate calls per replica at once
+
+
+def is_local(address: str) -> bool:
+    """Is a host:port (or unix:path) address on this host? Loopback, or an address this host can bind."""
+    if address.startswith("unix:"):
+        return True
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False
+    for family, _, _, _, sockaddr in infos:
+        try:
+            if ipaddress.ip_address(sockaddr[0]).is_loopback:
+                return True
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.bind((sockaddr[0], 0))  # only an address of one of this host's interfaces binds
+            return True
+        except (OSError, ValueError):
+            continue
+    return False
+
+
+def _shared_unavailable(e: grpc.RpcError) -> bool:
+    return e.code() == grpc.StatusCode.UNIMPLEMENTED or (
+        e.code() == grpc.StatusCode.FAILED_PRECONDITION and (e.details() or "").startswith(UNAVAILABLE))
 
 
 class ReplicaError(RuntimeError):
@@ -44,6 +81,8 @@ class Replica:
         self.channel = rpc.channel(address, settings)
         self.stub = pb_grpc.RolloutServiceStub(self.channel)
         self.update_weights = raw_update_call(self.channel)
+        mode = getattr(settings, "weight_sync", "grpc")
+        self.shared = mode == "shared" or (mode == "auto" and is_local(address))  # try the shared arena
         self.version = None  # the version this replica was last seen to serve
         self.healthy = True
         self.slots = threading.BoundedSemaphore(MAX_IN_FLIGHT)
@@ -63,6 +102,8 @@ class RemoteRollout:
         self.history: collections.OrderedDict[int, dict] = collections.OrderedDict()
         self.keep_versions = settings.keep_versions
         self.lock = threading.Lock()
+        self.arena = Arena()  # one shared-memory arena for every replica on this host, reused across versions
+        self.sync_lock = threading.Lock()  # one fan-out at a time: the arena holds one version
 
     # -- generation -----------------------------------------------------------------------------
     def generate(self, prompts: list, params: SamplingParams) -> list[Completion]:
@@ -125,7 +166,8 @@ class RemoteRollout:
             if self.weights is not None and v != self.version:
                 log.warning("rollout %s serves version %d, the learner is at %d: re-pushing", rep.address, v, self.version)
                 try:
-                    self._push(rep, self.weights, self.version)
+                    with self.sync_lock:
+                        self._push(rep, self.weights, self.version)
                 except grpc.RpcError as e:
                     log.warning("re-push to %s failed: %s", rep.address, e.details())
                     rep.healthy = False
@@ -141,14 +183,48 @@ class RemoteRollout:
         return live
 
     # -- weights --------------------------------------------------------------------------------
-    def _push(self, rep: Replica, weights: dict, version: int) -> pb.UpdateWeightsResponse:
+    def _push(self, rep: Replica, weights: dict, version: int, frames=None) -> pb.UpdateWeightsResponse:
+        """One version to one replica: through the shared arena when this replica takes it, else as a
+        stream (of `frames`, the messages several streams share, or framed for this stream alone).
+        Callers hold sync_lock."""
         t0 = time.perf_counter()
-        resp = rep.update_weights(encode_update(weights, version, chunk_bytes=self.chunk_bytes, raw=True),
-                                  metadata=rpc.auth_metadata(self.settings), timeout=self.timeout)
+        resp = None
+        if rep.shared and self._arena_ready(weights, version):
+            try:
+                resp = rep.stub.UpdateWeightsShared(self.arena.request(version), metadata=rpc.auth_metadata(self.settings),
+                                                    timeout=self.timeout)
+            except grpc.RpcError as e:
+                if not _shared_unavailable(e):
+                    raise
+                rep.shared = False
+                log.warning("rollout %s: shared weight sync refused (%s: %s); streaming weights over gRPC to it from now on",
+                            rep.address, e.code().name, e.details())
+        if resp is None:
+            messages = frames if frames is not None else encode_update(weights, version, chunk_bytes=self.chunk_bytes, raw=True)
+            resp = rep.update_weights(messages, metadata=rpc.auth_metadata(self.settings), timeout=self.timeout)
         self.metrics.sync_seconds.observe(time.perf_counter() - t0)
         self.metrics.sync_bytes.inc(resp.bytes)
         rep.version = version
         return resp
+
+    def _arena_ready(self, weights: dict, version: int) -> bool:
+        """Write `version` into the arena (once per version). False, and streams for every replica from
+        then on, when this host cannot give one (e.g. /dev/shm full)."""
+        try:
+            self.arena.write(weights, version)
+            return True
+        except (RuntimeError, OSError) as e:
+            log.warning("cannot write the shared weight arena (%s): streaming weights over gRPC to every replica", e)
+            for rep in self.replicas:
+                rep.shared = False
+            return False
+
+    def _push_streamed(self, rep: Replica, weights: dict, version: int, frames: SharedFrames | None, i: int):
+        try:
+            return self._push(rep, weights, version, frames.stream(i) if frames is not None else None)
+        finally:
+            if frames is not None:
+                frames.leave(i)
 
     def update(self, weights: dict, version: int) -> None:
         """Push `version` to every replica concurrently. The tensors are snapshotted (the learner mutates
@@ -159,16 +235,25 @@ class RemoteRollout:
             self.history[version] = snapshot
             while len(self.history) > self.keep_versions:
                 self.history.popitem(last=False)
-        futs = {self.pool.submit(self._push, rep, snapshot, version): rep for rep in self.replicas}
-        ok = 0
-        for fut, rep in futs.items():
-            try:
-                fut.result()
-                ok += 1
-                rep.healthy = True
-            except grpc.RpcError as e:
-                rep.healthy = False
-                log.warning("push of version %d to %s failed: %s %s", version, rep.address, e.code().name, e.details())
+        with self.sync_lock:
+            streamed = [rep for rep in self.replicas if not rep.shared]
+            frames = None
+            if len(streamed) > 1:  # frame the chunks once; every stream sends the same bytes
+                frames = SharedFrames(encode_update(snapshot, version, chunk_bytes=self.chunk_bytes, raw=True), len(streamed))
+            futs = {}
+            for rep in self.replicas:
+                i = streamed.index(rep) if rep in streamed else 0
+                futs[self.pool.submit(self._push_streamed, rep, snapshot, version,
+                                      frames if rep in streamed else None, i)] = rep
+            ok = 0
+            for fut, rep in futs.items():
+                try:
+                    fut.result()
+                    ok += 1
+                    rep.healthy = True
+                except grpc.RpcError as e:
+                    rep.healthy = False
+                    log.warning("push of version %d to %s failed: %s %s", version, rep.address, e.code().name, e.details())
         if ok == 0:  # not fatal: a replica that comes back gets this version before it samples again
             log.warning("weight version %d reached no rollout replica; will re-push when one answers", version)
 

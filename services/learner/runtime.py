@@ -49,15 +49,21 @@ class _LockedTrainer(Trainer):
             return super().step()
 
 
+def train_config(settings) -> TrainConfig:
+    """The learner service's TrainConfig (every rank of a data-parallel learner builds the same one)."""
+    return TrainConfig(model_dir=str(settings.model_dir), run_dir=str(settings.run_dir), precision=settings.precision,
+                       steps=settings.steps, prompts_per_step=settings.prompts_per_step,
+                       learning_rate=settings.learning_rate, seed=settings.seed,
+                       checkpoint_every=settings.checkpoint_every, data_parallel=settings.data_parallel,
+                       device=settings.device, backend=settings.backend,
+                       grpo=GRPOConfig(num_generations=settings.num_generations, max_completion_length=4))
+
+
 class LearnerRuntime:
     def __init__(self, settings, metrics: LearnerMetrics | None = None):
         self.settings = settings
         self.metrics = metrics or LearnerMetrics()
-        self.cfg = TrainConfig(model_dir=str(settings.model_dir), run_dir=str(settings.run_dir),
-                               precision=settings.precision, steps=settings.steps,
-                               prompts_per_step=settings.prompts_per_step, learning_rate=settings.learning_rate,
-                               seed=settings.seed, checkpoint_every=settings.checkpoint_every, grpo=GRPOConfig(num_generations=settings.num_generations,
-                                                                   max_completion_length=4))
+        self.cfg = train_config(settings)
         self.rollout = RemoteRollout(settings.rollout, settings, self.metrics)
         self.lock = threading.RLock()  # one of: a GRPO step, a Score, a SubmitTrajectories batch
         self.trainer = _LockedTrainer(self.cfg, self.rollout, self.lock)
@@ -120,6 +126,7 @@ class LearnerRuntime:
                 self.stopping.wait(1.0)
         if self.stopping.is_set() or self.cfg.steps == 0:
             self.done = True
+            self.trainer.end()  # (a data-parallel learner: the other ranks leave)
             return
         self.running = True
         try:

@@ -1,8 +1,11 @@
-"""minite.v1.RolloutService over gRPC: Generate, GenerateStream, UpdateWeights, GetWeightVersion.
+"""minite.v1.RolloutService over gRPC: Generate, GenerateStream, UpdateWeights, UpdateWeightsShared,
+GetWeightVersion.
 
 Bad input -> INVALID_ARGUMENT, a full queue -> RESOURCE_EXHAUSTED, a stale or unsound weight push ->
 FAILED_PRECONDITION / INVALID_ARGUMENT (the serving weights stay as they were), a missing token ->
-UNAUTHENTICATED (rpc.TokenInterceptor). Deadlines: a request whose deadline passes is cancelled in the
+UNAUTHENTICATED (rpc.TokenInterceptor). UpdateWeightsShared (a learner on the same host:
+services/common/shared_weights.py) answers like UpdateWeights, plus FAILED_PRECONDITION "shared weight
+sync unavailable: ..." when it cannot open the learner's arena (the learner then streams). Deadlines: a request whose deadline passes is cancelled in the
 engine (its KV-cache slot freed) and ends DEADLINE_EXCEEDED; so does a client that goes away.
 """
 from __future__ import annotations
@@ -18,11 +21,12 @@ from minite.v1 import rollout_pb2 as pb
 from minite.v1 import rollout_pb2_grpc as pb_grpc
 from minite_core.engine import SamplingParams
 
+from ..common.shared_weights import UNAVAILABLE, SharedUnavailable, receive_shared
 from ..common.weights import WeightAssembler, WeightError
 from .runtime import Overloaded, RolloutRuntime
 
 log = logging.getLogger("minite.rollout")
-PROTECTED = {"/minite.v1.RolloutService/UpdateWeights"}
+PROTECTED = {"/minite.v1.RolloutService/UpdateWeights", "/minite.v1.RolloutService/UpdateWeightsShared"}
 _DONE = object()
 NO_DEADLINE = 86400.0  # grpc reports a huge time_remaining() when the client set no deadline
 
@@ -124,7 +128,6 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     def UpdateWeights(self, request_iterator, context):
         t0 = time.perf_counter()
-        m = self.rt.metrics
         with self.update_lock:
             on_cpu = self.rt.engine.model.device.type == "cpu"  # (on a GPU the arena is only a staging buffer)
             asm = WeightAssembler(self.rt.expected, self.rt.version, arena_pool=self.rt.take_arena if on_cpu else None)
@@ -136,23 +139,46 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 version, abort, weights = asm.result()
             except WeightError as e:
                 self.rt.give_back_arena(getattr(asm, "arena", None) if on_cpu else None)
-                m.sync_rejected.inc()
-                log.warning("weight push refused: %s", e)
-                code = grpc.StatusCode.FAILED_PRECONDITION if "stale" in str(e) else grpc.StatusCode.INVALID_ARGUMENT
-                context.abort(code, f"weight push refused, still serving version {self.rt.version}: {e}")
+                self._refuse(context, e)
             # tensors for the model's device, then the swap (between two engine steps)
             device = self.rt.engine.model.device
             weights = {n: t.to(device) for n, t in weights.items()}
+            return self._apply(context, t0, weights, version, abort, asm.arena if on_cpu else None, asm.bytes)
+
+    def UpdateWeightsShared(self, request, context):
+        t0 = time.perf_counter()
+        with self.update_lock:
+            device = self.rt.engine.model.device
             try:
-                aborted = self.rt.update_weights(weights, version, abort, asm.arena if on_cpu else None)
-            except ValueError as e:  # a concurrent newer push won
-                self.rt.give_back_arena(asm.arena if on_cpu else None)
-                m.sync_rejected.inc()
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+                version, abort, weights, nbytes, arena = receive_shared(
+                    request, self.rt.expected, self.rt.version, device=device,
+                    arena_pool=self.rt.take_arena, give_back=self.rt.give_back_arena)
+            except WeightError as e:
+                self._refuse(context, e)
+            except SharedUnavailable as e:
+                log.info("%s: %s", UNAVAILABLE, e)
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{UNAVAILABLE}: {e}")
+            return self._apply(context, t0, weights, version, abort, arena, nbytes)
+
+    def _refuse(self, context, e: WeightError):
+        self.rt.metrics.sync_rejected.inc()
+        log.warning("weight push refused: %s", e)
+        code = grpc.StatusCode.FAILED_PRECONDITION if "stale" in str(e) else grpc.StatusCode.INVALID_ARGUMENT
+        context.abort(code, f"weight push refused, still serving version {self.rt.version}: {e}")
+
+    def _apply(self, context, t0, weights, version, abort, arena, nbytes) -> pb.UpdateWeightsResponse:
+        """The swap (between two engine steps) of a checked weight set, and the answer."""
+        m = self.rt.metrics
+        try:
+            aborted = self.rt.update_weights(weights, version, abort, arena)
+        except ValueError as e:  # a concurrent newer push won
+            self.rt.give_back_arena(arena)
+            m.sync_rejected.inc()
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         seconds = time.perf_counter() - t0
         m.sync_seconds.observe(seconds)
-        m.sync_bytes.inc(asm.bytes)
-        return pb.UpdateWeightsResponse(version=version, bytes=asm.bytes, tensors=len(weights), seconds=seconds,
+        m.sync_bytes.inc(nbytes)
+        return pb.UpdateWeightsResponse(version=version, bytes=nbytes, tensors=len(weights), seconds=seconds,
                                         aborted_sequences=aborted)
 
     def GetWeightVersion(self, request, context):
