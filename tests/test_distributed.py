@@ -105,6 +105,29 @@ def test_nvfp4_two_ranks_logprobs_equal_the_rollout_and_resume_is_exact(service_
     assert [[m[k] for k in keys] for m in resumed] == [[m[k] for k in keys] for m in full]
 
 
+def test_moe_experts_a_shard_does_not_route_to(tmp_path):
+    """32 experts, top-1, ~20 tokens per rank: most experts are read by neither rank or by one only. The
+    unread ones get a zero term (so both ranks reduce every gradient and the collectives stay in step) and
+    those no rank read get no gradient, as on one rank (AdamW skips them): the run neither hangs nor drifts."""
+    import dataclasses
+
+    from minite_core.model.random_init import random_checkpoint
+    from minite_core.rl.tasks import build_tokenizer
+    from minite_core.rl.tiny import TINY_MOE
+
+    model = tmp_path / "moe32"
+    random_checkpoint(model, dataclasses.replace(TINY_MOE, num_experts=32, num_experts_per_tok=1), seed=0,
+                      dtype=torch.float32)
+    build_tokenizer().save(str(model / "tokenizer.json"))
+    common = ("--precision", "fp32", "--steps", "3", "--prompts", "2", "--generations", "2")
+    one = _train(str(model), tmp_path / "one", *common)
+    two = _train(str(model), tmp_path / "two", *common, "--data-parallel", "fsdp", ranks=2)
+    for a, b in zip(one, two):
+        assert (a["tokens"], a["reward"]) == (b["tokens"], b["reward"])
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b["sampling/sampling_logp_difference/max"] == 0.0
+
+
 def test_bad_data_parallel_setups_are_named(service_model, tmp_path):
     p = subprocess.run([sys.executable, "-m", "minite_core.cli", "train", "--model-dir", str(service_model),
                         "--run-dir", str(tmp_path / "r"), "--data-parallel", "fsdp", "--steps", "1"],
