@@ -303,7 +303,8 @@ class Trainer:
         logp_ref = padded(mine, refs)[0] if refs is not None else None
         loss, metrics = grpo_loss(logp, logp_rollout, adv[rows.start:rows.stop].to(logp.device), mask, g, logp_ref)
         if self.group is not None:  # this shard's part of the global loss, x W: the ranks' gradients are averaged
-            share = shard_share(g, mask.cpu(), padded(outs, [])[2])
+            mask_all = padded(outs, [])[2]  # (the whole batch's mask: its token count for "dapo")
+            share = shard_share(g, mask.cpu(), mask_all)
             loss = loss * (share * self.group.world) + distributed.touch(weights.unread())
         self.opt.zero_grad()
         loss.backward()
@@ -325,9 +326,9 @@ class Trainer:
             with torch.no_grad():
                 metrics = grpo_loss(logp, logp_rollout, adv, mask, g, logp_ref)[1]
 
-        mine = [lp.detach().cpu() for lp in lps]  # (completions hold CPU logprobs)
-        drift = drift_stats([o.logprobs for o in outs], mine)
-        self.last_drift = (torch.cat([(lp - o.logprobs).abs() for o, lp in zip(outs, mine)]), drift)
+        learner_lps = [lp.detach().cpu() for lp in lps]  # (completions hold CPU logprobs)
+        drift = drift_stats([o.logprobs for o in outs], learner_lps)
+        self.last_drift = (torch.cat([(lp - o.logprobs).abs() for o, lp in zip(outs, learner_lps)]), drift)
         tokens = int(mask.sum())
         seconds = time.perf_counter() - t0
         metrics.update({
