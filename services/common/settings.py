@@ -13,6 +13,21 @@ from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 MB = 1 << 20
 
 
+CHOICES = {  # the settings that take one of a few words
+    "precision": ("nvfp4", "bf16", "fp32"),
+    "backend": ("torch", "triton"),
+    "weight_sync": ("grpc", "shared", "auto"),
+    "data_parallel": ("none", "ddp", "fsdp"),
+}
+
+
+def _one_of(v, info):
+    allowed = CHOICES[info.field_name]
+    if v not in allowed:
+        raise ValueError(f"{info.field_name} must be {', '.join(allowed[:-1])} or {allowed[-1]}, not {v!r}")
+    return v
+
+
 class _Common(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MINITE_", cli_kebab_case=True, cli_implicit_flags=True,
                                       cli_exit_on_error=False, extra="ignore")
@@ -34,19 +49,10 @@ class _Common(BaseSettings):
                                  "(requests; the learner's step) gets to finish before it is cut; keep it below the "
                                  "orchestrator's kill timeout (Kubernetes: 30 s, docker stop: 10 s by default)")
 
-    @field_validator("precision")
+    @field_validator("precision", "backend")
     @classmethod
-    def _precision(cls, v):
-        if v not in ("nvfp4", "bf16", "fp32"):
-            raise ValueError(f"precision must be nvfp4, bf16 or fp32, not {v!r}")
-        return v
-
-    @field_validator("backend")
-    @classmethod
-    def _backend(cls, v):
-        if v not in ("torch", "triton"):
-            raise ValueError(f"backend must be torch or triton, not {v!r}")
-        return v
+    def _choices(cls, v, info):
+        return _one_of(v, info)
 
     @field_validator("log_level")
     @classmethod
@@ -100,19 +106,10 @@ class LearnerSettings(_Common):
     data_parallel: str = Field("none", description="none, or ddp / fsdp: one learner over the ranks torchrun starts "
                                "(rank 0 serves; the others train with it)")
 
-    @field_validator("weight_sync")
+    @field_validator("weight_sync", "data_parallel")
     @classmethod
-    def _weight_sync(cls, v):
-        if v not in ("grpc", "shared", "auto"):
-            raise ValueError(f"weight_sync must be grpc, shared or auto, not {v!r}")
-        return v
-
-    @field_validator("data_parallel")
-    @classmethod
-    def _data_parallel(cls, v):
-        if v not in ("none", "ddp", "fsdp"):
-            raise ValueError(f"data_parallel must be none, ddp or fsdp, not {v!r}")
-        return v
+    def _learner_choices(cls, v, info):
+        return _one_of(v, info)
 
     @field_validator("rollout")
     @classmethod
