@@ -32,6 +32,10 @@ class WeightError(ValueError):
     """A weight push that cannot be applied; the message says which tensor and why."""
 
 
+class StalePush(WeightError):
+    """A push of a version not newer than the one serving (FAILED_PRECONDITION, not a malformed push)."""
+
+
 def describe(t) -> tuple[str, tuple[int, ...]]:
     """(format, logical shape) of a weight as the wire names it."""
     if isinstance(t, NVFP4Tensor):
@@ -210,7 +214,7 @@ def arena_bytes(expected: dict[str, tuple[str, tuple]]) -> int:
 def check_begin(version: int, num_tensors: int, expected: dict, serving: int) -> None:
     """A push's header against the serving version and the model."""
     if version <= serving:
-        raise WeightError(f"stale weight version {version}: serving version {serving}")
+        raise StalePush(f"stale weight version {version}: serving version {serving}")
     if num_tensors != len(expected):
         raise WeightError(f"the update announces {num_tensors} tensors; the model has {len(expected)}")
 

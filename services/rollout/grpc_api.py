@@ -22,7 +22,7 @@ from minite.v1 import rollout_pb2_grpc as pb_grpc
 from minite_core.engine import SamplingParams
 
 from ..common.shared_weights import UNAVAILABLE, SharedUnavailable, receive_shared
-from ..common.weights import WeightAssembler, WeightError
+from ..common.weights import StalePush, WeightAssembler, WeightError
 from .runtime import Overloaded, RolloutRuntime
 
 log = logging.getLogger("minite.rollout")
@@ -163,7 +163,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     def _refuse(self, context, e: WeightError):
         self.rt.metrics.sync_rejected.inc()
         log.warning("weight push refused: %s", e)
-        code = grpc.StatusCode.FAILED_PRECONDITION if "stale" in str(e) else grpc.StatusCode.INVALID_ARGUMENT
+        code = grpc.StatusCode.FAILED_PRECONDITION if isinstance(e, StalePush) else grpc.StatusCode.INVALID_ARGUMENT
         context.abort(code, f"weight push refused, still serving version {self.rt.version}: {e}")
 
     def _apply(self, context, t0, weights, version, abort, arena, nbytes) -> pb.UpdateWeightsResponse:
