@@ -77,7 +77,7 @@ def main() -> None:
     prompts, completions = [s[:1] for s in ids], [s[1:] for s in ids]
 
     def step():
-        weights = distributed.Reads(module(torch.zeros((), device=device)))
+        weights = distributed.step_masters(module)
         policy.masters = weights
         try:
             lps = learner.batch_logprobs(prompts, completions)

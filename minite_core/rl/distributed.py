@@ -60,8 +60,7 @@ class Masters(torch.nn.Module):
             mod.register_parameter(leaf, torch.nn.Parameter(t.detach().clone()))
 
     def forward(self, _unused: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """{name: master}: under FSDP2 the gathered masters for this step. (Callers pass `_unused`: FSDP2
-        of torch 2.11 indexes the forward's arguments on a GPU and fails on a call without any.)"""
+        """{name: master}: under FSDP2 the gathered masters for this step (called by step_masters)."""
         return {n: self.get_parameter(n) for n in self.names}
 
 
@@ -129,6 +128,12 @@ def full(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in params.items()}
+
+
+def step_masters(module: torch.nn.Module) -> "Reads":
+    """The masters for one step's forward (under FSDP2 all-gathered), recording which ones it reads. The
+    zero-dim argument is for FSDP2 of torch 2.11, which indexes the forward's arguments on a GPU."""
+    return Reads(module(torch.zeros(())))
 
 
 class Reads(dict):

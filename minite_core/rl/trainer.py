@@ -288,7 +288,7 @@ class Trainer:
         # this rank's rows (all of them on one process): the learner's logprobs, then the loss
         rows = range(len(outs)) if self.group is None else self.group.rows(len(outs))
         mine = [outs[i] for i in rows]
-        weights = self.masters if self.module is None else distributed.Reads(self.module(torch.zeros(())))  # (gathered for the step)
+        weights = self.masters if self.module is None else distributed.step_masters(self.module)  # (gathered for the step)
         self.policy.masters = weights
         try:
             lps, ents = self.learner.batch_logprobs([o.prompt_ids for o in mine], [o.token_ids for o in mine],
