@@ -25,7 +25,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minite.v1 import rollout_pb2 as pb  # noqa: E402
 from minite.v1 import rollout_pb2_grpc  # noqa: E402
-from minite_core.rl.tasks import AdditionTask  # noqa: E402
+from minite_core.rl.tasks import AdditionRows, build_tokenizer  # noqa: E402
 from services.up import Proc  # noqa: E402
 
 
@@ -34,9 +34,9 @@ def closed_loop(call, clients: int, seconds: float):
     lock = threading.Lock()
 
     def worker(i):
-        task = AdditionTask(2, seed=i)
+        rng, rows, tok = random.Random(i), AdditionRows(2), build_tokenizer()
         while time.monotonic() < stop:
-            prompt = task.prompt_ids(*task.sample())
+            prompt = tok.encode(rows[rng.randrange(len(rows))]["prompt"]).ids
             t0 = time.perf_counter()
             n = call(prompt, random.randrange(1 << 30))
             with lock:

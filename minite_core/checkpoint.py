@@ -15,7 +15,8 @@ per-tensor global scale; they differ in names and in the convention of the globa
         exclude_modules}}, mirrored in config.json's quantization_config {quant_method: "modelopt"}
 
 In memory a quantized weight is an `NVFP4Tensor` under the key `P.weight`; input (activation) global
-scales, when given, are decode-convention floats keyed by `P`. Only per-tensor global scales exist in
+scales, when given, are decode-convention floats keyed by `P`. `fmt=None` writes a plain (unquantized)
+HF checkpoint with the same sharding and no quantization_config. Only per-tensor global scales exist in
 these formats. ModelOpt files round-trip bit for bit. Compressed-tensors files store 1/gs, so they
 round-trip exactly when 1/(1/gs) == gs in fp32, always for a power-of-two gs; compressed-tensors'
 own dequantize, code * (scale / (1/gs)), equals ours, (code * scale) * gs, whenever gs is a power of
@@ -82,7 +83,7 @@ def save_checkpoint(
     path: str | Path,
     tensors: dict[str, torch.Tensor | NVFP4Tensor],
     *,
-    fmt: str = "compressed-tensors",
+    fmt: str | None = "compressed-tensors",
     input_global_scales: dict[str, float] | None = None,
     config: dict | None = None,
     ignore: list[str] | None = None,
@@ -93,8 +94,12 @@ def save_checkpoint(
     `config` (a model's config.json dict) gets the format's quantization_config; `ignore` lists the
     linear modules left unquantized (e.g. ["lm_head"]); `input_global_scales` maps module prefix to
     a static activation global scale (decode convention), which serving stacks need for W4A4.
+    `fmt=None`: an unquantized checkpoint (plain tensors only; config.json without quantization_config).
     """
-    quantization_config(fmt, [])  # validates fmt
+    if fmt is not None:
+        quantization_config(fmt, [])  # validates fmt
+    elif input_global_scales:
+        raise ValueError("input_global_scales need a quantized format (fmt='compressed-tensors' or 'modelopt')")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     inputs = dict(input_global_scales or {})
@@ -103,6 +108,8 @@ def save_checkpoint(
         if not isinstance(t, NVFP4Tensor):
             flat[name] = t.detach().contiguous().cpu()
             continue
+        if fmt is None:
+            raise ValueError(f"{name}: an unquantized checkpoint (fmt=None) holds plain tensors, not NVFP4")
         _check_weight(name, t)
         p = _prefix(name)
         gs = t.global_scale.reshape(1).float().cpu()
@@ -147,9 +154,10 @@ def save_checkpoint(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
         )
 
-    qcfg = quantization_config(fmt, ignore or [])
     cfg = dict(config or {})
-    cfg["quantization_config"] = qcfg
+    cfg.pop("quantization_config", None)
+    if fmt is not None:
+        cfg["quantization_config"] = quantization_config(fmt, ignore or [])
     (path / "config.json").write_text(json.dumps(cfg, indent=1))
     if fmt == "modelopt":
         hf = {"producer": {"name": "modelopt", "version": "minite"},

@@ -1,7 +1,8 @@
 """The `minite` command line.
 
     minite demo [--backend torch|triton] [--m M --n N --k K]
-    minite train [--steps N] [--precision nvfp4|bf16] [--backward ste|nvfp4] [--resume] [--run-dir DIR]
+    minite train [--config run.toml] [--model-dir DIR --dataset FILE --reward FILE.py:NAME ...] [--resume]
+    minite export RUN_DIR --out DIR [--format hf|compressed-tensors|modelopt]
     minite diagnose [--model DIR] [--precision nvfp4] [--rollout-knob K=V ...] [--learner-knob K=V ...] [--out DIR]
 
 `demo` shows the core promise on random data: an NVFP4 (W4A4) linear layer whose output rows are
@@ -95,32 +96,32 @@ def _diagnose(args) -> int:
     return 0
 
 
-def _train(args) -> int:
+def train(argv: list[str]) -> int:
+    """`minite train`: one RL run in one process (the settings: rl/config.py RunConfig)."""
+    import json
     from pathlib import Path
 
     from .rl import distributed
-    from .rl.grpo import GRPOConfig
+    from .rl.config import RunConfig, parse
+    from .rl.loop import run
     from .rl.tiny import build_tiny_model
-    from .rl.trainer import TrainConfig, run
 
-    group = distributed.setup(args.data_parallel)  # under torchrun: this rank's place (None: one process)
-    lead = group is None or group.leader
-    model_dir = Path(args.model_dir or ("runs/tiny-moe" if args.moe else "runs/tiny-model"))
-    if args.model_dir and not (model_dir / "config.json").exists():
-        raise FileNotFoundError(f"{model_dir} has no config.json (leave out --model-dir to build the built-in model)")
-    if lead and not (model_dir / "config.json").exists():
-        print(f"building the built-in tiny model in {model_dir} (supervised warm-up, about a minute)")
-        build_tiny_model(model_dir, seed=args.seed, moe=args.moe)
-    if group is not None:
-        group.barrier()
-    cfg = TrainConfig(model_dir=str(model_dir), run_dir=args.run_dir, precision=args.precision, backward=args.backward,
-                      steps=args.steps, prompts_per_step=args.prompts, seed=args.seed, learning_rate=args.lr,
-                      rollout_knobs=_parse_knobs(args.rollout_knob), data_parallel=args.data_parallel,
-                      checkpoint_every=args.checkpoint_every, device=args.device, backend=args.backend,
-                      grpo=GRPOConfig(num_generations=args.generations, max_completion_length=4))
-    import json
-
-    history = run(cfg, resume=args.resume)
+    cfg = parse(RunConfig, argv, "minite train")
+    try:
+        group = distributed.setup(cfg.data_parallel)  # under torchrun: this rank's place (None: one process)
+        lead = group is None or group.leader
+        model_dir = cfg.model_path
+        if not cfg.builtin_model and not (model_dir / "config.json").exists():
+            raise FileNotFoundError(f"{model_dir} has no config.json (leave out --model-dir to use the built-in model)")
+        if lead and not (model_dir / "config.json").exists():
+            print(f"building the built-in tiny model in {model_dir} (supervised warm-up, about a minute)")
+            build_tiny_model(model_dir, seed=cfg.seed, moe=cfg.moe)
+        if group is not None:
+            group.barrier()
+        history = run(cfg)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"minite train: error: {e}", file=sys.stderr)
+        return 2
     if group is not None:
         group.barrier()
         import torch.distributed
@@ -128,20 +129,25 @@ def _train(args) -> int:
         torch.distributed.destroy_process_group()
     if not lead:
         return 0
-    summary = json.loads((Path(args.run_dir) / "summary.json").read_text())
-    b, a = summary["before"], summary["after"]
+    run_dir = Path(cfg.run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    b, a = summary.get("before", {}), summary.get("after", {})
     k = min(10, len(history))
-    drift = max(m["sampling/sampling_logp_difference/max"] for m in history)
-    print(f"greedy reward on 128 fixed problems: {b['eval/reward']:.3f} -> {a['eval/reward']:.3f} "
-          f"(accuracy {b['eval/accuracy']:.2f} -> {a['eval/accuracy']:.2f}); training reward, mean of the first/last "
-          f"{k} steps: {sum(m['reward'] for m in history[:k]) / k:.3f} -> {sum(m['reward'] for m in history[-k:]) / k:.3f}")
-    print(f"max rollout/learner |Δlogp| over the run: {drift:g} ({args.precision}); {len(history)} steps, "
-          f"{sum(m['seconds'] for m in history):.0f} s")
-    print(f"metrics: {Path(args.run_dir) / 'metrics.jsonl'}, plot: {Path(args.run_dir) / 'reward_drift.png'}")
+    if "eval/reward" in b and "eval/reward" in a:
+        print(f"greedy eval reward: {b['eval/reward']:.3f} -> {a['eval/reward']:.3f} "
+              f"(reaching {cfg.pass_threshold:g}: {b['eval/accuracy']:.2f} -> {a['eval/accuracy']:.2f})")
+    if history:
+        drift = max(m["sampling/sampling_logp_difference/max"] for m in history)
+        print(f"training reward, mean of the first/last {k} steps: {sum(m['reward'] for m in history[:k]) / k:.3f} -> "
+              f"{sum(m['reward'] for m in history[-k:]) / k:.3f}; max rollout/learner |Δlogp| over the run: {drift:g} "
+              f"({cfg.precision}); {len(history)} steps, {sum(m['seconds'] for m in history):.0f} s")
+    print(f"metrics: {run_dir / 'metrics.jsonl'}, plot: {run_dir / 'reward_drift.png'}")
     return 0
 
 
 SERVICES = {  # subcommands with their own settings parser (pydantic-settings: flags + MINITE_* env vars)
+    "train": "minite_core.cli:train",
+    "export": "minite_core.export:main",
     "rollout": "services.rollout.main",
     "learner": "services.learner.main",
     "up": "services.up",
@@ -161,9 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in SERVICES:
         import importlib
 
-        return importlib.import_module(SERVICES[argv[0]]).main(argv[1:])
+        module, _, fn = SERVICES[argv[0]].partition(":")
+        return getattr(importlib.import_module(module), fn or "main")(argv[1:])
     ap = argparse.ArgumentParser(prog="minite", description="miniTE: NVFP4 RL with bitwise-consistent engines; "
-                                 "also `minite rollout|learner|up --help` for the services")
+                                 "also `minite train|export|rollout|learner|up --help`")
     sub = ap.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="W4A4 linear: accuracy and batch invariance on random data")
     demo.add_argument("--backend", choices=["torch", "triton"], default="torch")
@@ -182,30 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     diag.add_argument("--slots", type=int, default=4)
     diag.add_argument("--seed", type=int, default=0)
     diag.add_argument("--out", default="runs/diagnose")
-    train = sub.add_parser("train", help="GRPO on the built-in addition task (builds the tiny model first if needed)")
-    train.add_argument("--model-dir", default=None, help="default: runs/tiny-model (runs/tiny-moe with --moe)")
-    train.add_argument("--moe", action="store_true", help="build the MoE variant of the tiny model")
-    train.add_argument("--run-dir", default="runs/train")
-    train.add_argument("--steps", type=int, default=150)
-    train.add_argument("--prompts", type=int, default=16, help="prompts per step")
-    train.add_argument("--generations", type=int, default=8, help="completions per prompt")
-    train.add_argument("--precision", choices=["nvfp4", "bf16", "fp32"], default="nvfp4")
-    train.add_argument("--backward", choices=["ste", "nvfp4"], default="ste")
-    train.add_argument("--lr", type=float, default=5e-4)
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--resume", action="store_true", help="continue from the run directory's checkpoint")
-    train.add_argument("--rollout-knob", action="append", metavar="NAME=VALUE", help="misalign the rollout engine")
-    train.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
-    train.add_argument("--device", default="cpu", help="torch device (a data-parallel rank on a GPU host takes its own GPU)")
-    train.add_argument("--backend", choices=["torch", "triton"], default="torch")
-    train.add_argument("--data-parallel", choices=["none", "ddp", "fsdp"], default="none",
-                       help="one learner over the ranks of torchrun (torchrun --nproc-per-node N -m minite_core.cli train ...)")
     build = sub.add_parser("build-model", help="build the built-in tiny model (supervised warm-up, deterministic)")
     build.add_argument("--out", default="runs/tiny-model")
     build.add_argument("--moe", action="store_true")
     build.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    for name in ("m", "n", "k", "prompts", "max_tokens", "slots", "steps", "generations", "checkpoint_every"):
+    for name in ("m", "n", "k", "prompts", "max_tokens", "slots"):
         if getattr(args, name, 1) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
     if getattr(args, "k", 16) % 16:
@@ -213,8 +202,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "demo":
             return _demo(args)
-        if args.cmd == "train":
-            return _train(args)
         if args.cmd == "build-model":
             return _build_model(args)
         return _diagnose(args)

@@ -1,6 +1,8 @@
 """`minite up`: the docker-compose topology as plain local processes, for machines without Docker.
 
-Builds the built-in tiny model if the model directory has none, starts the rollout service (`--replicas
+Takes the same run settings as `minite train` (RunConfig: `--config run.toml`, MINITE_* env vars,
+flags) plus the topology's own. Builds the built-in tiny model if the run uses it and it is not there
+yet, writes the resolved run settings to <run_dir>/run.json, starts the rollout service (`--replicas
 N`: N rollout processes, the first on the rollout ports, the others on ports the OS picks), the learner
 service (pointed at every replica, told to exit after its last step) and, when a `prometheus` binary is
 on PATH, a Prometheus that scrapes them all; then runs the RL job through the two services,
@@ -21,21 +23,14 @@ import time
 from pathlib import Path
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from .common.settings import parse
+from minite_core.rl.config import RunConfig, parse
 
 
-class UpSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="MINITE_UP_", cli_kebab_case=True, cli_implicit_flags=True,
-                                      cli_exit_on_error=False, extra="ignore")
-
-    model_dir: Path = Field(Path("runs/tiny-model"), description="model checkpoint (the built-in tiny model is built here if missing)")
-    run_dir: Path = Field(Path("runs/up"), description="logs, learner metrics and checkpoints, Prometheus data")
-    steps: int = Field(150, ge=1, description="GRPO steps")
+class UpSettings(RunConfig):
+    run_dir: Path = Field(Path("runs/up"), description="logs, the learner's run (learner/), Prometheus data")
     replicas: int = Field(1, ge=1, le=16, description="rollout replicas: the learner spreads prompts over them and "
                                                       "pushes every weight version to all of them")
-    prompts_per_step: int = Field(16, ge=1)
     host: str = "127.0.0.1"
     rollout_grpc_port: int = Field(50051, ge=1, le=65535)
     rollout_http_port: int = Field(8000, ge=1, le=65535)
@@ -45,7 +40,6 @@ class UpSettings(BaseSettings):
     prometheus_port: int = Field(9090, ge=1, le=65535)
     scrape_interval: str = Field("2s", description="Prometheus scrape interval")
     keep_running: bool = Field(False, description="leave the services and Prometheus up after training (Ctrl-C stops)")
-    resume: bool = Field(False, description="continue the learner's run in run_dir (default: start afresh)")
     startup_timeout: float = Field(300.0, gt=0, description="seconds to wait for each service to be ready")
 
 
@@ -126,13 +120,20 @@ def _finished(summary: Path) -> bool:
 
 def up(s: UpSettings) -> int:
     s.run_dir.mkdir(parents=True, exist_ok=True)
-    if not (s.model_dir / "config.json").exists():
+    model_dir = s.model_path
+    if not (model_dir / "config.json").exists():
+        if not s.builtin_model:
+            print(f"minite up: error: {model_dir} has no config.json", file=sys.stderr)
+            return 2
         from minite_core.rl.tiny import build_tiny_model
 
-        print(f"building the built-in tiny model in {s.model_dir} (supervised warm-up, about a minute)", flush=True)
-        build_tiny_model(s.model_dir)
+        print(f"building the built-in tiny model in {model_dir} (supervised warm-up, about a minute)", flush=True)
+        build_tiny_model(model_dir, seed=s.seed, moe=s.moe)
     if not s.resume:
         shutil.rmtree(s.run_dir / "learner", ignore_errors=True)
+    run_file = s.run_dir / "run.json"  # the learner's run: these settings, its own run directory
+    run_file.write_text(json.dumps({**s.run_fields(), "model_dir": str(model_dir),
+                                    "run_dir": str(s.run_dir / "learner")}, indent=1))
     env = dict(os.environ)
     env.setdefault("MINITE_AUTH_TOKEN", secrets.token_urlsafe(24))  # weight pushes need it; never printed
     py = [sys.executable, "-m", "minite_core.cli"]
@@ -142,7 +143,8 @@ def up(s: UpSettings) -> int:
         for i in range(s.replicas):
             ports = (s.rollout_grpc_port, s.rollout_http_port) if i == 0 else (0, 0)
             name = "rollout" if s.replicas == 1 else f"rollout-{i}"
-            rollout = Proc(name, py + ["rollout", "--model-dir", str(s.model_dir), "--host", s.host,
+            rollout = Proc(name, py + ["rollout", "--model-dir", str(model_dir), "--host", s.host,
+                                       "--precision", s.precision, "--backend", s.backend, "--device", s.device,
                                        "--grpc-port", str(ports[0]), "--http-port", str(ports[1])],
                            s.run_dir / f"{name}.log", env, "minite-rollout ready")
             procs.append(rollout)
@@ -156,11 +158,9 @@ def up(s: UpSettings) -> int:
             procs.append(Proc("prometheus", [prom_bin, f"--config.file={cfg}", f"--storage.tsdb.path={s.run_dir / 'prometheus-data'}",
                                              f"--web.listen-address={s.host}:{s.prometheus_port}"],
                               s.run_dir / "prometheus.log", env))
-        learner = Proc("learner", py + ["learner", "--model-dir", str(s.model_dir), "--host", s.host,
+        learner = Proc("learner", py + ["learner", "--config", str(run_file), "--host", s.host,
                                         *[a for g, _ in replicas for a in ("--rollout", f"{s.host}:{g}")],
-                                        "--run-dir", str(s.run_dir / "learner"),
                                         "--grpc-port", str(s.learner_grpc_port), "--http-port", str(s.learner_http_port),
-                                        "--steps", str(s.steps), "--prompts-per-step", str(s.prompts_per_step),
                                         *([] if s.keep_running else ["--exit-when-done"])],
                        s.run_dir / "learner.log", env, "minite-learner ready", echo=True)
         procs.append(learner)
@@ -186,8 +186,9 @@ def up(s: UpSettings) -> int:
         sm = json.loads(summary.read_text())
         hist = [json.loads(x) for x in (s.run_dir / "learner" / "metrics.jsonl").read_text().splitlines()]
         drift = max((m["sampling/sampling_logp_difference/max"] for m in hist), default=0.0)
-        print(f"greedy reward on 128 fixed problems: {sm['before']['eval/reward']:.3f} -> {sm['after']['eval/reward']:.3f}; "
-              f"max rollout/learner |Δlogp| over {len(hist)} steps: {drift:g}", flush=True)
+        if "eval/reward" in sm["before"]:
+            print(f"greedy eval reward: {sm['before']['eval/reward']:.3f} -> {sm['after']['eval/reward']:.3f}", flush=True)
+        print(f"max rollout/learner |Δlogp| over {len(hist)} steps: {drift:g}", flush=True)
         for i, (g, h) in enumerate(replicas):
             tokens, version = _scrape(f"http://{s.host}:{h}/metrics", "minite_generated_tokens_total", "minite_weight_version")
             print(f"rollout replica {i} ({s.host}:{g}): {tokens:.0f} tokens sampled, serving weight version {version:.0f}",

@@ -63,9 +63,8 @@ def service_model(tmp_path_factory):
     """The built-in tiny architecture with random weights and the task's tokenizer: what the service
     tests serve (the mechanics do not need the warmed-up model; the RL tests build that one)."""
     from minite_core.model.random_init import random_checkpoint
-    from minite_core.rl.tasks import build_tokenizer
-    from minite_core.rl.tiny import TINY
+    from minite_core.rl.tiny import TINY, write_tokenizer
 
     path = random_checkpoint(tmp_path_factory.mktemp("service-model"), TINY, seed=3)
-    build_tokenizer().save(str(path / "tokenizer.json"))
+    write_tokenizer(path)
     return path

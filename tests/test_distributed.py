@@ -112,13 +112,12 @@ def test_moe_experts_a_shard_does_not_route_to(tmp_path):
     import dataclasses
 
     from minite_core.model.random_init import random_checkpoint
-    from minite_core.rl.tasks import build_tokenizer
-    from minite_core.rl.tiny import TINY_MOE
+    from minite_core.rl.tiny import TINY_MOE, write_tokenizer
 
     model = tmp_path / "moe32"
     random_checkpoint(model, dataclasses.replace(TINY_MOE, num_experts=32, num_experts_per_tok=1), seed=0,
                       dtype=torch.float32)
-    build_tokenizer().save(str(model / "tokenizer.json"))
+    write_tokenizer(model)
     common = ("--precision", "fp32", "--steps", "3", "--prompts", "2", "--generations", "2")
     one = _train(str(model), tmp_path / "one", *common)
     two = _train(str(model), tmp_path / "two", *common, "--data-parallel", "fsdp", ranks=2)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from minite_core.rl import AdditionTask, GRPOConfig, group_advantages, grpo_loss, rollout_weights
+from minite_core.rl import GRPOConfig, group_advantages, grpo_loss, rollout_weights
 
 
 def test_group_advantages():
@@ -78,15 +78,3 @@ def test_config_validation():
     for bad in (dict(loss_type="ppo"), dict(rollout_correction="is"), dict(num_generations=1), dict(tis_cap=0.5)):
         with pytest.raises(ValueError):
             GRPOConfig(**bad).validate()
-
-
-def test_addition_task():
-    t = AdditionTask(digits=3, partial_credit=True, seed=1)
-    a, b = t.sample()
-    assert t.decode(t.prompt_ids(a, b)) == f"{a}+{b}="
-    ans = t.answer_ids(a, b)
-    assert t.reward(a, b, ans) == 1.0 and t.reward(a, b, ans + [5, 5]) == 1.0
-    assert t.reward(a, b, [2]) == 0.0
-    assert 0 < t.reward(a, b, ans[:-2] + [2]) < 1.0
-    assert AdditionTask(seed=1).sample() == AdditionTask(seed=1).sample()
-    assert t.tokenizer.get_vocab_size() == 15

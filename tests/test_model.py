@@ -82,7 +82,7 @@ def test_sharded_checkpoint_and_tokenizer(tmp_path, dense_dir):
     ids = torch.arange(12).view(2, 6)
     assert torch.equal(load_model(tmp_path, precision="fp32")(ids), load_model(dense_dir, precision="fp32")(ids))
     Tokenizer(models.WordLevel({f"t{i}": i for i in range(90)}, unk_token="t0")).save(str(tmp_path / "tokenizer.json"))
-    assert load_model(tmp_path).tokenizer.get_vocab_size() == 90
+    assert load_model(tmp_path).tokenizer.vocab_size == 90
     Tokenizer(models.WordLevel({f"t{i}": i for i in range(200)}, unk_token="t0")).save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(ValueError, match="tokenizer has 200 tokens"):
         load_model(tmp_path)

@@ -203,14 +203,14 @@ def _client(kind: str, i: int, grpc_addr: str, url: str, stop, out: list, errors
 
     from minite.v1 import rollout_pb2 as pb
     from minite.v1 import rollout_pb2_grpc as pb_grpc
-    from minite_core.rl.tasks import AdditionTask
+    from minite_core.rl.tasks import AdditionRows, build_tokenizer
 
-    rng, task = random.Random(i), AdditionTask(2, True, seed=100 + i)
+    rng, rows, tok = random.Random(i), AdditionRows(2), build_tokenizer()
     channel = grpc.insecure_channel(grpc_addr) if kind.startswith("grpc") else None
     http = httpx.Client(timeout=120) if kind.startswith("rest") else None
     try:
         while not stop.is_set():
-            prompt, n, max_tokens, seed = task.prompt_ids(*task.sample()), rng.choice([1, 2]), rng.randint(2, 8), rng.randrange(2**31)
+            prompt, n, max_tokens, seed = tok.encode(rows[rng.randrange(len(rows))]["prompt"]).ids, rng.choice([1, 2]), rng.randint(2, 8), rng.randrange(2**31)
             try:
                 if kind == "grpc":
                     r = pb_grpc.RolloutServiceStub(channel).Generate(pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=prompt),

@@ -6,11 +6,11 @@ import json
 import pytest
 import torch
 
-from minite_core.rl.grpo import GRPOConfig
-from minite_core.rl.tiny import build_tiny_model, greedy_accuracy
-from minite_core.rl.tasks import AdditionTask
-from minite_core.rl.trainer import TrainConfig, Trainer, run
 from minite_core.model import load_model
+from minite_core.rl.config import RunConfig
+from minite_core.rl.loop import run
+from minite_core.rl.tiny import build_tiny_model, greedy_accuracy
+from minite_core.rl.trainer import Trainer
 
 
 @pytest.fixture(scope="module")
@@ -22,21 +22,21 @@ def tiny(tmp_path_factory):
 
 def _cfg(tiny, run_dir, **kw):
     base = dict(model_dir=str(tiny), run_dir=str(run_dir), steps=4, prompts_per_step=4, checkpoint_every=2,
-                grpo=GRPOConfig(num_generations=4, max_completion_length=4))
+                num_generations=4)
     base.update(kw)
-    return TrainConfig(**base)
+    return RunConfig(**base)
 
 
 def test_tiny_model_is_useful_but_imperfect(tiny):
     model = load_model(tiny, precision="nvfp4")
-    assert model.tokenizer.get_vocab_size() == model.cfg.vocab_size
-    acc = greedy_accuracy(model, AdditionTask(2))
+    assert model.tokenizer.vocab_size == model.cfg.vocab_size
+    acc = greedy_accuracy(model, 2)
     assert 0.1 < acc < 0.9, acc
 
 
 def test_grpo_improves_the_reward_with_zero_drift(tiny, tmp_path):
-    history = run(_cfg(tiny, tmp_path, steps=30, prompts_per_step=16, learning_rate=5e-4,
-                       grpo=GRPOConfig(num_generations=8, max_completion_length=4)), progress=False)
+    history = run(_cfg(tiny, tmp_path, steps=30, prompts_per_step=16, learning_rate=5e-4, num_generations=8),
+                  progress=False)
     summary = json.loads((tmp_path / "summary.json").read_text())
     before, after = summary["before"]["eval/reward"], summary["after"]["eval/reward"]
     assert after > before + 0.03, (before, after)  # greedy reward on the same 128 problems
@@ -60,7 +60,7 @@ def test_misaligned_rollout_moves_the_importance_weights(tiny, tmp_path):
 def test_resume_continues_to_the_same_result(tiny, tmp_path, backward):
     straight = run(_cfg(tiny, tmp_path / "a", backward=backward), progress=False)
     run(_cfg(tiny, tmp_path / "b", steps=2, backward=backward), progress=False)
-    resumed = run(_cfg(tiny, tmp_path / "b", backward=backward), resume=True, progress=False)
+    resumed = run(_cfg(tiny, tmp_path / "b", backward=backward, resume=True), progress=False)
     keys = ("reward", "loss", "grad_norm", "weight_version", "entropy")
     assert [[m[k] for k in keys] for m in straight] == [[m[k] for k in keys] for m in resumed]
     a, b = Trainer(_cfg(tiny, tmp_path / "a")), Trainer(_cfg(tiny, tmp_path / "b"))
@@ -70,8 +70,7 @@ def test_resume_continues_to_the_same_result(tiny, tmp_path, backward):
 
 
 def test_kl_penalty_to_the_frozen_reference(tiny, tmp_path):
-    history = run(_cfg(tiny, tmp_path, steps=3, learning_rate=1e-3,
-                       grpo=GRPOConfig(num_generations=4, max_completion_length=4, beta=0.1)), progress=False)
+    history = run(_cfg(tiny, tmp_path, steps=3, learning_rate=1e-3, beta=0.1), progress=False)
     assert history[0]["kl"] == 0.0  # the policy starts as the reference
     assert history[-1]["kl"] > 0.0
 
@@ -87,13 +86,16 @@ def test_bad_train_config(tiny, tmp_path):
     from minite_core.cli import main
     from minite_core.model.random_init import random_checkpoint
     from minite_core.rl.tiny import TINY
+    from pydantic import ValidationError
 
-    foreign = random_checkpoint(tmp_path / "foreign", TINY)  # no tokenizer.json: not the task's model
-    with pytest.raises(ValueError, match="character tokenizer"):
+    foreign = random_checkpoint(tmp_path / "foreign", TINY)  # no tokenizer.json: no prompt can be rendered
+    with pytest.raises(ValueError, match="no tokenizer.json"):
         Trainer(_cfg(foreign, tmp_path))
     assert main(["train", "--model-dir", str(tmp_path / "missing")]) == 2
     assert not (tmp_path / "missing").exists()  # an explicit path is never silently filled with the tiny model
-    with pytest.raises(ValueError, match="backward"):
-        Trainer(_cfg(tiny, tmp_path, backward="fp8"))
-    with pytest.raises(ValueError, match="num_generations"):
-        Trainer(_cfg(tiny, tmp_path, grpo=GRPOConfig(num_generations=1)))
+    with pytest.raises(ValidationError, match="backward"):
+        _cfg(tiny, tmp_path, backward="fp8")
+    with pytest.raises(ValidationError, match="num_generations"):
+        _cfg(tiny, tmp_path, num_generations=1)
+    with pytest.raises(ValidationError, match="extra"):
+        _cfg(tiny, tmp_path, num_generation=4)  # a misspelt key is refused, not ignored

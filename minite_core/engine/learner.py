@@ -18,9 +18,17 @@ class Learner:
         return self.batch_logprobs([prompt_ids], [completion_ids], temperature)[0]
 
     def batch_logprobs(self, prompts: list, completions: list, temperature: float = 1.0, *,
-                       return_entropy: bool = False):
+                       return_entropy: bool = False, masters: dict | None = None):
         """Score many sequences in one right-padded batch; each row's bits do not depend on the batch.
-        With return_entropy, also the entropy of each completion position's full distribution."""
+        With return_entropy, also the entropy of each completion position's full distribution. With
+        `masters` (fp32 tensors by weight name), the forward reads them for this call and the logprobs
+        are differentiable in them (the NVFP4 weights keep the values the rollout holds)."""
+        if masters is not None:
+            self.model.masters = masters
+            try:
+                return self.batch_logprobs(prompts, completions, temperature, return_entropy=return_entropy)
+            finally:
+                self.model.masters = None
         if len(prompts) != len(completions) or not prompts:
             raise ValueError("need one completion per prompt, and at least one")
         t = temperature if temperature > 0 else 1.0

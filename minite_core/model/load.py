@@ -1,8 +1,10 @@
 """load_model: a local HF checkpoint directory -> a miniTE model in fp32, bf16 or NVFP4 (W4A4).
 
 Reads config.json, the safetensors files (single, or shards through model.safetensors.index.json),
-NVFP4 checkpoints in the compressed-tensors or ModelOpt format (`minite_core.checkpoint`), and
-tokenizer.json through the `tokenizers` library. Nothing is downloaded.
+NVFP4 checkpoints in the compressed-tensors or ModelOpt format (`minite_core.checkpoint`), and the HF
+tokenizer folder files (tokenizer.json, tokenizer_config.json, chat_template.jinja, generation_config.json's
+eos ids) as `model.tokenizer`, a `minite_core.tokenizer.Tokenizer` (None without tokenizer.json). Nothing is
+downloaded.
 
 NVFP4 precision quantizes the linear layers (attention projections, MLP and expert projections) with a
 per-tensor global scale; activations are quantized per row inside each linear. Embeddings, lm_head,
@@ -18,6 +20,7 @@ import torch
 
 from .. import checkpoint, nvfp4
 from ..nvfp4 import NVFP4Tensor
+from ..tokenizer import Tokenizer
 from .qwen3 import Qwen3, Qwen3Config
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "nvfp4": torch.bfloat16}
@@ -91,17 +94,6 @@ def load_model(path, *, precision: str = "bf16", backend: str = "torch", device=
         else:
             weights[name] = t.to(device=device, dtype=dtype)
     model = Qwen3(cfg, weights, dtype=dtype, backend=backend, knobs=knobs)
-    model.tokenizer = _load_tokenizer(path, cfg)
+    model.tokenizer = Tokenizer.from_dir(path, vocab_size=cfg.vocab_size)
     return model
 
-
-def _load_tokenizer(path: Path, cfg: Qwen3Config):
-    file = path / "tokenizer.json"
-    if not file.is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(file))
-    if tok.get_vocab_size() > cfg.vocab_size:
-        raise ValueError(f"{file}: the tokenizer has {tok.get_vocab_size()} tokens but the model's vocabulary is {cfg.vocab_size}")
-    return tok

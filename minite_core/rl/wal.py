@@ -13,9 +13,12 @@ A learner can die at any instant (SIGKILL, a lost node). Two promises survive it
 * a checkpoint is never half written: it is written to a fresh directory, fsync'd, then swapped in by
   renames; a crash between the renames leaves the previous one at `<dir>.old`, which `latest` finds.
 
-One JSON line per step: {"step", "problems", "completions": [{prompt_ids, token_ids, logprobs,
-finish_reason, weight_version, request_index, sample_index}]}. Logprobs are float32 values written as
-Python floats, which round-trip exactly.
+One JSON line per step: {"step", "rows" (the dataset rows drawn), "completions": [{prompt_ids, token_ids,
+logprobs, finish_reason, weight_version, request_index, sample_index}], "rewards": {"total": [...],
+"per_function": {name: [... or null]}}}. The rewards are recorded with the batch, so reward functions
+run once per trajectory (a replayed step does not call them again, and a non-deterministic or remote
+reward cannot change a replay). Logprobs and rewards are float32 / float64 values written as Python
+floats, which round-trip exactly.
 """
 from __future__ import annotations
 
@@ -65,11 +68,11 @@ class TrajectoryLog:
     def get(self, step: int) -> dict | None:
         return self.records.get(step)
 
-    def append(self, step: int, problems: list, completions: list[Completion]) -> None:
-        """Record a step's batch durably (returns after fsync)."""
+    def append(self, step: int, rows: list[int], completions: list[Completion], rewards: dict) -> None:
+        """Record a step's batch and its rewards durably (returns after fsync)."""
         if step in self.records:
             raise ValueError(f"step {step} is already in the trajectory log")
-        rec = {"step": step, "problems": [list(p) for p in problems],
+        rec = {"step": step, "rows": list(rows), "rewards": rewards,
                "completions": [{"prompt_ids": list(c.prompt_ids), "token_ids": list(c.token_ids),
                                 "logprobs": c.logprobs.tolist(), "finish_reason": c.finish_reason,
                                 "weight_version": c.weight_version, "request_index": c.request_index,

@@ -54,6 +54,16 @@ class LearnerMetrics:
         self.tokens = Counter("minite_learner_tokens", "Completion tokens trained on", registry=r)
         self.steps = Counter("minite_learner_steps", "GRPO steps taken", registry=r)
         self.reward = Gauge("minite_reward_mean", "Mean reward of the last step's completions", registry=r)
+        self.reward_by_function = Gauge("minite_reward_function_mean", "Mean reward of each reward function, last "
+                                        "step (samples it applies to)", ["function"], registry=r)
+        self.eval = Gauge("minite_eval", "The last evaluation on the eval prompts: reward (greedy), accuracy, "
+                          "rewards/<function>/mean, sampled/reward, pass@k", ["metric"], registry=r)
+
+    def record_eval(self, m: dict) -> None:
+        """An evaluation's `eval/...` metrics (the RL loop's), as minite_eval{metric=...}."""
+        for k, v in m.items():
+            if k.startswith("eval/") and v == v:  # (NaN: no sample the function applies to)
+                self.eval.labels(k[len("eval/"):]).set(v)
 
     def record_drift(self, diffs, stats) -> None:
         """diffs: per-token |Δlogp| (iterable of floats); stats: a consistency.DriftStats."""

@@ -1,41 +1,25 @@
 """Service settings: pydantic-settings models read from environment variables (prefix MINITE_) and from
 the `minite rollout|learner|up` command line (kebab-case flags), validated with messages that say what
-is wrong. The shared token is a SecretStr: it never appears in a repr, a log line or a metric; prefer
-the MINITE_AUTH_TOKEN environment variable to a flag (flags are visible in `ps`)."""
+is wrong. The learner's and `minite up`'s settings are the run's RunConfig (minite_core/rl/config.py,
+also read from `--config run.toml`) plus the service's own fields. The shared token is a SecretStr: it
+never appears in a repr, a log line or a metric; prefer the MINITE_AUTH_TOKEN environment variable to a
+flag (flags are visible in `ps`)."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from minite_core.rl.config import SETTINGS, RunConfig, one_of, parse  # noqa: F401 (parse: re-exported)
 
 MB = 1 << 20
 
 
-CHOICES = {  # the settings that take one of a few words
-    "precision": ("nvfp4", "bf16", "fp32"),
-    "backend": ("torch", "triton"),
-    "weight_sync": ("grpc", "shared", "auto"),
-    "data_parallel": ("none", "ddp", "fsdp"),
-}
-
-
-def _one_of(v, info):
-    allowed = CHOICES[info.field_name]
-    if v not in allowed:
-        raise ValueError(f"{info.field_name} must be {', '.join(allowed[:-1])} or {allowed[-1]}, not {v!r}")
-    return v
-
-
 class _Common(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="MINITE_", cli_kebab_case=True, cli_implicit_flags=True,
-                                      cli_exit_on_error=False, extra="ignore")
+    """What every service process has: where it listens, auth, TLS, limits, logging, drain."""
+    model_config = SettingsConfigDict(**SETTINGS, extra="forbid")
 
-    model_dir: Path = Field(Path("runs/tiny-model"), description="HF checkpoint directory (config.json, *.safetensors)")
-    precision: str = Field("nvfp4", description="nvfp4 (W4A4), bf16 or fp32")
-    backend: str = Field("torch", description="kernel backend: torch or triton")
-    device: str = Field("cpu", description="torch device, e.g. cpu or cuda")
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 in containers)")
     auth_token: SecretStr | None = Field(None, description="shared token for weight pushes and learner control "
                                                          "(env MINITE_AUTH_TOKEN); unset: no auth")
@@ -48,11 +32,6 @@ class _Common(BaseSettings):
     drain_timeout: float = Field(20.0, ge=0, le=3600, description="on SIGTERM/SIGINT: seconds the work in flight "
                                  "(requests; the learner's step) gets to finish before it is cut; keep it below the "
                                  "orchestrator's kill timeout (Kubernetes: 30 s, docker stop: 10 s by default)")
-
-    @field_validator("precision", "backend")
-    @classmethod
-    def _choices(cls, v, info):
-        return _one_of(v, info)
 
     @field_validator("log_level")
     @classmethod
@@ -76,6 +55,10 @@ class _Common(BaseSettings):
 
 
 class RolloutSettings(_Common):
+    model_dir: Path = Field(Path("runs/tiny-model"), description="HF checkpoint directory (config.json, *.safetensors)")
+    precision: str = Field("nvfp4", description="nvfp4 (W4A4), bf16 or fp32")
+    backend: str = Field("torch", description="kernel backend: torch or triton")
+    device: str = Field("cpu", description="torch device, e.g. cpu or cuda")
     grpc_port: int = Field(50051, ge=0, le=65535, description="gRPC port (0: pick a free one)")
     http_port: int = Field(8000, ge=0, le=65535, description="REST, /metrics and /health port")
     model_name: str = Field("minite-tiny", description="the model name the APIs report and accept")
@@ -86,30 +69,24 @@ class RolloutSettings(_Common):
     max_n: int = Field(64, ge=1, description="largest n (samples per request)")
 
 
-class LearnerSettings(_Common):
+class LearnerSettings(_Common, RunConfig):
+    model_config = SettingsConfigDict(**SETTINGS, extra="forbid")
+
     grpc_port: int = Field(50052, ge=0, le=65535, description="gRPC port (0: pick a free one)")
     http_port: int = Field(8001, ge=0, le=65535, description="REST, /metrics and /health port")
     rollout: list[str] = Field(default_factory=list, description="rollout replica gRPC address host:port (repeat the flag)")
     run_dir: Path = Field(Path("runs/learner"), description="metrics.jsonl, checkpoints and the plot")
-    steps: int = Field(150, ge=0, description="GRPO steps to run (0: serve Score/Status only)")
-    prompts_per_step: int = Field(16, ge=1)
-    num_generations: int = Field(8, ge=2, description="completions per prompt (GRPO group size)")
-    learning_rate: float = Field(5e-4, gt=0)
-    seed: int = 0
     chunk_mb: float = Field(2.0, ge=1.0, le=4.0, description="weight-push message size, MiB")
     weight_sync: str = Field("auto", description="how weight versions reach the replicas: grpc (a stream of chunks), "
                              "shared (a shared-memory arena: /dev/shm or CUDA IPC; a replica that cannot open it is "
                              "streamed to) or auto (shared for replicas on this host, grpc for the others)")
-    checkpoint_every: int = Field(10, ge=1, description="steps between checkpoints (the trajectory log covers the rest)")
     keep_versions: int = Field(4, ge=1, le=1024, description="recent weight versions kept for Score at an older version")
     exit_when_done: bool = Field(False, description="stop the service after the last step")
-    data_parallel: str = Field("none", description="none, or ddp / fsdp: one learner over the ranks torchrun starts "
-                               "(rank 0 serves; the others train with it)")
 
-    @field_validator("weight_sync", "data_parallel")
+    @field_validator("weight_sync")
     @classmethod
     def _learner_choices(cls, v, info):
-        return _one_of(v, info)
+        return one_of(v, info)
 
     @field_validator("rollout")
     @classmethod
@@ -119,15 +96,3 @@ class LearnerSettings(_Common):
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"rollout address {a!r} is not host:port")
         return v
-
-
-def parse(cls, argv: list[str], prog: str):
-    """Settings from the environment and `argv`; on bad input print what is wrong and exit 2."""
-    try:
-        return cls(_cli_parse_args=argv, _cli_prog_name=prog)
-    except ValidationError as e:
-        lines = [f"  {'.'.join(str(x) for x in err['loc']) or 'settings'}: {err['msg']}" for err in e.errors()]
-        print(f"{prog}: invalid settings\n" + "\n".join(lines), file=sys.stderr)
-    except SettingsError as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-    raise SystemExit(2)

@@ -83,17 +83,15 @@ def _stop_loop(runtime: LearnerRuntime, timeout: float) -> None:
 
 def follow(settings: LearnerSettings) -> None:
     """A data-parallel rank other than 0: no servers; train with rank 0 until it ends the run."""
-    from minite_core.rl.trainer import Follower, Trainer, run
-
-    from .runtime import train_config
-
     import signal
+
+    from minite_core.rl.loop import run
+    from minite_core.rl.trainer import Follower, Trainer
 
     setup_logging(settings.log_level)
     for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 drains and ends the run; torchrun SIGKILLs a stuck rank
         signal.signal(sig, signal.SIG_IGN)
-    cfg = train_config(settings)
-    run(cfg, trainer=Trainer(cfg, Follower()))
+    run(settings, trainer=Trainer(settings, Follower()))
 
 
 def main(argv: list[str]) -> int:

@@ -1,8 +1,8 @@
 """The learner service's state: the GRPO Trainer over remote rollout replicas, run on a background
 thread, and the scoring both APIs offer.
 
-The loop waits for a rollout replica, then runs `minite_core.rl.trainer.run` (the same loop as
-`minite train`): each step pulls completions for task prompts from the replicas, scores them with the
+The loop waits for a rollout replica, then runs `minite_core.rl.loop.run` (the same loop as
+`minite train`, on the same RunConfig): each step pulls completions for the task's prompts from the replicas, scores them with the
 learner engine, records every token's drift, takes a GRPO step and pushes the re-quantized packed
 NVFP4 weights to every replica. A replica that is down makes the step wait and retry (reported in
 Status and the log), never crash. Score and SubmitTrajectories use the same learner engine under the
@@ -19,8 +19,8 @@ import torch
 
 from minite_core.consistency import drift_stats
 from minite_core.engine import check_temperature
-from minite_core.rl.grpo import GRPOConfig
-from minite_core.rl.trainer import TrainConfig, Trainer, run
+from minite_core.rl.loop import run
+from minite_core.rl.trainer import StaleRollout, Trainer
 
 from ..common.metrics import LearnerMetrics
 from .replicas import NewerVersion, RemoteRollout, ReplicaError
@@ -49,21 +49,11 @@ class _LockedTrainer(Trainer):
             return super().step()
 
 
-def train_config(settings) -> TrainConfig:
-    """The learner service's TrainConfig (every rank of a data-parallel learner builds the same one)."""
-    return TrainConfig(model_dir=str(settings.model_dir), run_dir=str(settings.run_dir), precision=settings.precision,
-                       steps=settings.steps, prompts_per_step=settings.prompts_per_step,
-                       learning_rate=settings.learning_rate, seed=settings.seed,
-                       checkpoint_every=settings.checkpoint_every, data_parallel=settings.data_parallel,
-                       device=settings.device, backend=settings.backend,
-                       grpo=GRPOConfig(num_generations=settings.num_generations, max_completion_length=4))
-
-
 class LearnerRuntime:
     def __init__(self, settings, metrics: LearnerMetrics | None = None):
         self.settings = settings
         self.metrics = metrics or LearnerMetrics()
-        self.cfg = train_config(settings)
+        self.cfg = settings  # (a RunConfig: the run's knobs, read by `minite train` the same way)
         self.rollout = RemoteRollout(settings.rollout, settings, self.metrics)
         self.lock = threading.RLock()  # one of: a GRPO step, a Score, a SubmitTrajectories batch
         self.trainer = _LockedTrainer(self.cfg, self.rollout, self.lock)
@@ -89,7 +79,7 @@ class LearnerRuntime:
                 self.trainer.sync_weights()
             self.metrics.weight_version.set(self.trainer.version)
             return not self.stopping.is_set()
-        if isinstance(e, ReplicaError) or (isinstance(e, RuntimeError) and "weight version" in str(e)):
+        if isinstance(e, (ReplicaError, StaleRollout)):
             self.last_error = str(e)
             log.warning("step %d waits: %s", self.trainer.step_idx + 1, e)
             self.stopping.wait(1.0)
@@ -107,6 +97,9 @@ class LearnerRuntime:
         self.metrics.tokens.inc(m["tokens"])
         self.metrics.steps.inc()
         self.metrics.reward.set(m["reward"])
+        for k, v in m.items():
+            if k.startswith("rewards/") and k.endswith("/mean") and v == v:
+                self.metrics.reward_by_function.labels(k[len("rewards/"):-len("/mean")]).set(v)
         self.metrics.weight_version.set(trainer.version)
         self.last = m
         self.last_error = ""
@@ -131,7 +124,7 @@ class LearnerRuntime:
         self.running = True
         try:
             run(self.cfg, resume=True, progress=False, trainer=self.trainer, on_step=self._on_step,
-                retry=self._retry, stop=self._stop)
+                on_eval=self.metrics.record_eval, retry=self._retry, stop=self._stop)
             self.done = not self.stopping.is_set()
             if self.done:
                 log.info("training finished: %d steps, weight version %d", self.trainer.step_idx, self.trainer.version)

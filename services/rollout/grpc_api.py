@@ -7,6 +7,10 @@ UNAUTHENTICATED (rpc.TokenInterceptor). UpdateWeightsShared (a learner on the sa
 services/common/shared_weights.py) answers like UpdateWeights, plus FAILED_PRECONDITION "shared weight
 sync unavailable: ..." when it cannot open the learner's arena (the learner then streams). Deadlines: a request whose deadline passes is cancelled in the
 engine (its KV-cache slot freed) and ends DEADLINE_EXCEEDED; so does a client that goes away.
+
+Prompts and stopping: a `text` prompt is encoded by the model's tokenizer (`minite_core.tokenizer`, with its
+special tokens, as REST's /v1/completions); generation stops only on the request's `stop_token_ids` (the
+learner sends the model's eos ids itself; unlike REST, which adds them unless `ignore_eos`).
 """
 from __future__ import annotations
 
@@ -64,7 +68,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             if self.rt.tokenizer is None:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "this model has no tokenizer: send prompt_ids")
             try:
-                return self.rt.tokenizer.encode(request.text).ids
+                return self.rt.tokenizer.encode(request.text, add_special_tokens=True)
             except Exception as e:  # the tokenizer refuses what it cannot read (e.g. lone surrogates)
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot tokenize the prompt text: {e}")
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request has no prompt: set prompt_ids or text")

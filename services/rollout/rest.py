@@ -10,7 +10,17 @@ full), 503 (shutting down); the OpenAPI schema lists them (and no 422: validatio
 Request bodies are validated strictly: a field of the wrong JSON type ("3" for an integer, 1 for a
 boolean) is refused, not coerced.
 
-The built-in model has no chat template: a chat prompt is its messages' contents concatenated, in order.
+Prompts. A text prompt of /v1/completions is encoded with the tokenizer's special tokens (vLLM's
+`add_special_tokens=True`). /v1/chat/completions renders the model's chat template
+(`minite_core.tokenizer`, as transformers' `apply_chat_template`) with `add_generation_prompt` (default
+true) and vLLM's `chat_template_kwargs` (e.g. {"enable_thinking": false}), so its `prompt_token_ids` equal
+`Tokenizer.apply_chat_template` (the learner's) and transformers'; a template that fails to render is a 400
+naming the template file. A model whose tokenizer has no chat template (the built-in tiny model) gets its
+messages' contents concatenated, in order.
+
+Stopping. As vLLM: generation stops on the model's eos ids (generation_config.json's eos_token_id, else
+config.json's, else the tokenizer's eos_token) and on `stop_token_ids` / `stop` strings; `ignore_eos: true`
+turns the eos ids off (not stop_token_ids).
 """
 from __future__ import annotations
 
@@ -19,7 +29,7 @@ import json
 import math
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minite_core.engine import SamplingParams
 from minite_core.engine.rollout import MAX_TEMPERATURE, MIN_TEMPERATURE
+from minite_core.tokenizer import ChatTemplateError
 
 from ..common.http import is_json, strip_422
 from ..common.metrics import add_metrics_route
@@ -78,6 +89,7 @@ class _Sampling(BaseModel):
     seed: int | None = Field(None, ge=-INT64, lt=INT64, description="a 64-bit signed integer")
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    ignore_eos: bool = Field(False, description="vLLM extension: do not stop on the model's eos token ids")
     stream: bool = False
 
     @field_validator("temperature", "top_p")
@@ -94,10 +106,11 @@ class _Sampling(BaseModel):
             raise ValueError("token ids must be >= 0")
         return v
 
-    def sampling(self) -> SamplingParams:
+    def sampling(self, eos: tuple[int, ...] = ()) -> SamplingParams:
+        """`eos`: the model's eos ids, added to stop_token_ids unless ignore_eos."""
+        stop_ids = tuple(self.stop_token_ids or ()) + (() if self.ignore_eos else tuple(eos))
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, n=self.n,
-                              stop_token_ids=tuple(self.stop_token_ids or ()))
+                              top_k=self.top_k, seed=self.seed, n=self.n, stop_token_ids=tuple(dict.fromkeys(stop_ids)))
 
     def stops(self) -> tuple[str, ...]:
         s = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -124,6 +137,10 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, description="OpenAI's newer name for max_tokens (wins if set)")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=0, description="only the sampled token's logprob is available")
+    add_generation_prompt: bool = Field(True, description="vLLM extension: end the prompt with the template's "
+                                        "assistant header")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM extension: extra variables for the "
+                                                        "chat template, e.g. {\"enable_thinking\": false}")
 
 
 def build_app(rt: RolloutRuntime) -> FastAPI:
@@ -157,9 +174,25 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
         if rt.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: send the prompt as token ids")
         try:
-            return rt.tokenizer.encode(prompt).ids
+            return rt.tokenizer.encode(prompt, add_special_tokens=True)
         except Exception as e:  # the tokenizer refuses what it cannot read (e.g. lone surrogates)
             raise ApiError(400, f"cannot tokenize the prompt: {e}") from None
+
+    def chat_prompt(body: ChatRequest) -> list[int]:
+        """The chat template rendered to ids (as the learner's); without one, the contents concatenated."""
+        if rt.tokenizer is None or rt.tokenizer.chat_template is None:
+            return tokens_of("".join(m.content for m in body.messages))
+        messages = [m.model_dump() for m in body.messages]
+        kwargs = body.chat_template_kwargs or {}
+        for k in ("messages", "add_generation_prompt"):
+            if k in kwargs:
+                raise ApiError(400, f"chat_template_kwargs cannot set {k!r}: the request's own field does")
+        try:
+            return rt.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, **kwargs)
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e)) from None
+        except Exception as e:  # the tokenizer refuses what it cannot read (e.g. lone surrogates)
+            raise ApiError(400, f"cannot tokenize the rendered chat: {e}") from None
 
     def text_of(ids) -> str:
         return rt.tokenizer.decode(list(ids)) if rt.tokenizer is not None else ""
@@ -180,7 +213,7 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
             if events is not None:
                 loop.call_soon_threadsafe(events.put_nowait, None)  # after every token: the end marker
         try:
-            params, stops = body.sampling(), body.stops()
+            params, stops = body.sampling(rt.eos_token_ids), body.stops()
             rt.check(prompt, params)  # bad input (400) before a full queue (429)
             rt.check_admission(params.n)  # a refusal costs no worker thread and no wait for the engine
             req = await asyncio.to_thread(rt.submit, prompt, params, on_token=on_token, on_done=on_done, stop=stops)
@@ -284,7 +317,7 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
     async def chat(body: ChatRequest, request: Request):
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-        prompt = tokens_of("".join(m.content for m in body.messages))
+        prompt = chat_prompt(body)
         if not prompt:
             raise ApiError(400, "the messages have no content")
         req = await serve("chat", body, prompt, request)

@@ -38,7 +38,8 @@ class RolloutRuntime:
         self.metrics = metrics or RolloutMetrics()
         model = load_model(settings.model_dir, precision=settings.precision, backend=settings.backend,
                            device=settings.device)
-        self.tokenizer = model.tokenizer
+        self.tokenizer = model.tokenizer  # minite_core.tokenizer.Tokenizer, or None (token ids only)
+        self.eos_token_ids = model.tokenizer.eos_token_ids if model.tokenizer is not None else ()  # REST stops on them
         self.engine = RolloutEngine(model, max_slots=settings.max_slots, max_seq_len=settings.max_seq_len)
         self.expected = {n: describe(t) for n, t in model.w.items()}  # what a weight push must contain
         self.lock = threading.Condition()  # an RLock inside: callbacks run on the loop thread, lock held
