@@ -15,13 +15,12 @@ step "weight sync bench" timeout 150 python3 bench/weight_sync.py --shared --rep
 python3 - <<'PY'
 import torch
 from minite_core.model.random_init import random_checkpoint
-from minite_core.rl.tasks import build_tokenizer
-from minite_core.rl.tiny import TINY
+from minite_core.rl.tiny import TINY, write_tokenizer
 random_checkpoint("/tmp/dp-model", TINY, seed=0, dtype=torch.float32)
-build_tokenizer().save("/tmp/dp-model/tokenizer.json")
+write_tokenizer("/tmp/dp-model")
 PY
 step "torchrun fsdp (NCCL, 1 rank)" timeout 90 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
-  -m minite_core.cli train --model-dir /tmp/dp-model --run-dir /tmp/dp-run --steps 3 --prompts 4 --generations 4 \
+  -m minite_core.cli train --model-dir /tmp/dp-model --run-dir /tmp/dp-run --steps 3 --prompts-per-step 4 --num-generations 4 \
   --data-parallel fsdp
 ls /tmp/dp-run/checkpoint -a | tr '\n' ' '; echo
 step "moe rollout" timeout 170 python3 bench/rollout.py --configs moe --batches 64,256 --peers minite-nvfp4,hf-static \

@@ -26,11 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import CONFIGS, make_config  # noqa: E402
-from minite_core.engine import Learner  # noqa: E402
 from minite_core.model import load_model  # noqa: E402
 from minite_core.model.qwen3 import Qwen3Config  # noqa: E402
 from minite_core.model.random_init import random_checkpoint  # noqa: E402
-from minite_core.rl.trainer import clip_grad_norm, make_optimizer, requantize  # noqa: E402
+from minite_core.rl.step import LearnerState, fp32_masters, make_optimizer  # noqa: E402
 
 
 def time_steps(step, n: int) -> list[float]:
@@ -49,26 +48,17 @@ def time_steps(step, n: int) -> list[float]:
 def minite_step_fn(path: Path, precision: str, batch: int, seq: int, knobs: dict):
     policy = load_model(path, precision=precision, backend="triton", device="cuda", knobs=knobs)
     fp32 = load_model(path, precision="fp32", device="cuda")
-    masters = {n: t.clone().requires_grad_(True) for n, t in fp32.w.items()}
+    masters = fp32_masters(fp32.w)
     del fp32
-    opt = make_optimizer(masters.values(), lr=1e-5)  # the Trainer's: fused on CUDA
-    learner = Learner(policy)
+    # the Trainer's learner step: fused AdamW on CUDA, clip, re-quantize once
+    state = LearnerState(policy, masters, make_optimizer(masters.values(), lr=1e-5), max_grad_norm=1.0)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, policy.cfg.vocab_size, (batch, seq), generator=g).tolist()
     prompts, completions = [s[:1] for s in ids], [s[1:] for s in ids]
 
     def step():
-        policy.masters = masters
-        try:
-            lps = learner.batch_logprobs(prompts, completions)
-        finally:
-            policy.masters = None
-        loss = -torch.cat(lps).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        clip_grad_norm(masters.values(), 1.0)
-        opt.step()
-        requantize(policy, masters)  # the Trainer's weight sync
+        state.optimize(-torch.cat(state.logprobs(prompts, completions)).mean())
+        state.requantize()
     return step
 
 

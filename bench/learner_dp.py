@@ -26,13 +26,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import CONFIGS, make_config  # noqa: E402
-from minite_core.engine import Learner  # noqa: E402
 from minite_core.model import load_model  # noqa: E402
 from minite_core.model.random_init import random_checkpoint  # noqa: E402
 from minite_core.nvfp4 import NVFP4Tensor  # noqa: E402
 from minite_core.rl import distributed  # noqa: E402
 from minite_core.rl.tiny import TINY  # noqa: E402
-from minite_core.rl.trainer import clip_grad_norm, make_optimizer, requantize  # noqa: E402
+from minite_core.rl.step import LearnerState, make_optimizer  # noqa: E402
 
 
 def digest(weights: dict) -> str:
@@ -70,26 +69,16 @@ def main() -> None:
     del fp32
     module = distributed.wrap(inner, group)
     masters = {n: inner.get_parameter(n) for n in inner.names}
-    opt = make_optimizer(masters.values(), lr=1e-5)
-    learner = Learner(policy)
+    state = LearnerState(policy, masters, make_optimizer(masters.values(), lr=1e-5), max_grad_norm=1.0)
     g = torch.Generator().manual_seed(1000 + group.rank)  # each rank its own rows
     ids = torch.randint(0, cfg.vocab_size, (args.batch, seq), generator=g).tolist()
     prompts, completions = [s[:1] for s in ids], [s[1:] for s in ids]
 
-    def step():
+    def step():  # the Trainer's data-parallel step: gathered masters forward, sharded optimizer
         weights = distributed.step_masters(module)
-        policy.masters = weights
-        try:
-            lps = learner.batch_logprobs(prompts, completions)
-        finally:
-            policy.masters = None
-        loss = -torch.cat(lps).mean() + distributed.touch(weights.unread())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        distributed.drop_unread(masters, weights.read)
-        clip_grad_norm([p for p in masters.values() if p.grad is not None], 1.0)
-        opt.step()
-        requantize(policy, distributed.full(masters))
+        loss = -torch.cat(state.logprobs(prompts, completions, masters=weights)).mean() + distributed.touch(weights.unread())
+        state.optimize(loss, after_backward=lambda: distributed.drop_unread(masters, weights.read))
+        state.requantize(distributed.full(masters))
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
@@ -104,7 +93,7 @@ def main() -> None:
     tps = args.batch * (seq - 1) / statistics.median(times)
     probe = torch.randint(0, cfg.vocab_size, (seq,), generator=torch.Generator().manual_seed(7)).tolist()
     with torch.no_grad():
-        lp = learner.logprobs(probe[:1], probe[1:]).cpu()
+        lp = state.learner.logprobs(probe[:1], probe[1:]).cpu()
     rows = group.gather((tps, digest(policy.w), hashlib.sha256(lp.numpy().tobytes()).hexdigest(),
                          torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0))
     if group.leader:

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 STEPS, LR = 5, 5e-4
-ARGS = ["--prompts", "4", "--generations", "4", "--lr", str(LR), "--checkpoint-every", "100"]
+ARGS = ["--prompts-per-step", "4", "--num-generations", "4", "--learning-rate", str(LR), "--checkpoint-every", "100"]
 
 
 def _train(model: str, run_dir, *extra, ranks: int = 0) -> list[dict]:
@@ -65,7 +65,7 @@ def test_two_ranks_follow_one_rank_on_the_same_global_batch(fp32_runs, strategy)
     assert fsdp[0]["loss"] == one[0]["loss"] and fsdp[0]["grad_norm"] == pytest.approx(one[0]["grad_norm"], rel=1e-6)
     assert fsdp[0]["batch_sha256"] == one[0]["batch_sha256"]
     for a, b in zip(one, fsdp):
-        assert (a["tokens"], a["reward"], a["accuracy"]) == (b["tokens"], b["reward"], b["accuracy"]), a["step"]
+        assert (a["tokens"], a["reward"], a["reward_std"]) == (b["tokens"], b["reward"], b["reward_std"]), a["step"]
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
         assert b["entropy"] == pytest.approx(a["entropy"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
@@ -118,7 +118,7 @@ def test_moe_experts_a_shard_does_not_route_to(tmp_path):
     random_checkpoint(model, dataclasses.replace(TINY_MOE, num_experts=32, num_experts_per_tok=1), seed=0,
                       dtype=torch.float32)
     write_tokenizer(model)
-    common = ("--precision", "fp32", "--steps", "3", "--prompts", "2", "--generations", "2")
+    common = ("--precision", "fp32", "--steps", "3", "--prompts-per-step", "2", "--num-generations", "2")
     one = _train(str(model), tmp_path / "one", *common)
     two = _train(str(model), tmp_path / "two", *common, "--data-parallel", "fsdp", ranks=2)
     for a, b in zip(one, two):

@@ -11,7 +11,7 @@ from conftest import HAS_CUDA, HAS_TRITON
 
 from minite_core import nvfp4, ops
 from minite_core.nvfp4 import NVFP4Tensor
-from minite_core.rl import trainer as rl_trainer
+from minite_core.rl import step as rl_step
 
 BF16 = torch.bfloat16
 cuda_only = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
@@ -194,15 +194,15 @@ def test_quantize_weights_same_bits_as_one_at_a_time(backend):
 
 def test_optimizer_and_clip():
     p = torch.nn.Parameter(torch.ones(4))
-    opt = rl_trainer.make_optimizer([p], lr=0.1)
+    opt = rl_step.make_optimizer([p], lr=0.1)
     assert opt.defaults["foreach"] is True and not opt.defaults.get("fused")
     p.grad = torch.full((4,), 3.0)
-    norm = rl_trainer.clip_grad_norm([p], 1.0)
+    norm = rl_step.clip_grad_norm([p], 1.0)
     assert torch.isclose(norm, torch.tensor(6.0)) and torch.isclose(p.grad.norm(), torch.tensor(1.0), atol=1e-5)
     opt.step()
     if HAS_CUDA:
         q = torch.nn.Parameter(torch.ones(4, device="cuda"))
-        assert rl_trainer.make_optimizer([q], lr=0.1).defaults["fused"] is True
+        assert rl_step.make_optimizer([q], lr=0.1).defaults["fused"] is True
 
 
 def test_plain_weight_with_fp32_master_gets_fp32_gradient():

@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 
 from minite.v1 import learner_pb2 as lpb
 from minite.v1 import learner_pb2_grpc as lpb_grpc
-from minite_core.rl.grpo import GRPOConfig
-from minite_core.rl.trainer import TrainConfig, run
+from minite_core.rl.config import RunConfig
+from minite_core.rl.loop import run
 from tests.service_helpers import Proc, free_port, report
 
 TOKEN = "learner-rel-token-8d2e"
@@ -80,7 +80,7 @@ def _wait(cond, timeout, what, procs=()):
 
 
 def _digest(rec: dict) -> str:
-    from minite_core.rl.trainer import batch_digest
+    from minite_core.rl.report import batch_digest
     from minite_core.rl.wal import TrajectoryLog
 
     return batch_digest(TrajectoryLog.completions(rec))
@@ -126,9 +126,8 @@ def test_learner_sigkill_mid_step_resumes_exactly_once(service_model, tmp_path):
 
     # the same job uninterrupted, in one process: the resumed run ends with the same bits
     ref_dir = tmp_path / "reference"
-    run(TrainConfig(model_dir=str(service_model), run_dir=str(ref_dir), steps=STEPS, prompts_per_step=PROMPTS,
-                    checkpoint_every=EVERY, grpo=GRPOConfig(num_generations=GENS, max_completion_length=4)),
-        progress=False)
+    run(RunConfig(model_dir=service_model, run_dir=ref_dir, steps=STEPS, prompts_per_step=PROMPTS,
+                  num_generations=GENS, checkpoint_every=EVERY), progress=False)
     ours, ref = load_file(str(run_dir / "checkpoint" / "trainer.safetensors")), load_file(str(ref_dir / "checkpoint" / "trainer.safetensors"))
     assert ours.keys() == ref.keys()
     unequal = [k for k in ref if not torch.equal(ours[k], ref[k])]

@@ -197,6 +197,7 @@ def load(cls: type[BaseSettings], argv: list[str], prog: str, *, defaults: dict 
     rising order). Raises ConfigError naming the key or flag that is wrong."""
     argv = list(argv)
     file_values: dict = {}
+    path = None
     if "--config" in argv or any(a.startswith("--config=") for a in argv):
         i = next(i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config="))
         if argv[i] == "--config":
@@ -215,10 +216,19 @@ def load(cls: type[BaseSettings], argv: list[str], prog: str, *, defaults: dict 
                                 cli_implicit_flags=True, cli_exit_on_error=False)()
     except SettingsError as e:
         raise ConfigError(str(e)) from None
+    env = _env(cls)
     try:
-        return cls(**{**(defaults or {}), **file_values, **_env(cls), **cli})
+        return cls(**{**(defaults or {}), **file_values, **env, **cli})
     except ValidationError as e:
-        lines = [f"{'.'.join(str(x) for x in err['loc']) or 'settings'}: {err['msg']}" for err in e.errors()]
+        def origin(key) -> str:  # where the offending value came from
+            if key in cli:
+                return f" (flag --{str(key).replace('_', '-')})"
+            if key in env:
+                return f" (MINITE_{str(key).upper()})"
+            return f" (in {path})" if key in file_values else ""
+        lines = [f"{'.'.join(str(x) for x in err['loc']) or 'settings'}{origin(err['loc'][0] if err['loc'] else '')}: "
+                 f"{err['msg']}" + (f" (got {err['input']!r})" if err["type"] != "missing" and err["loc"] else "")
+                 for err in e.errors()]
         raise ConfigError("invalid settings\n  " + "\n  ".join(lines)) from None
 
 

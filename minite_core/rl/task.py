@@ -86,6 +86,7 @@ class DatasetTask:
         if not specs:
             raise TaskError(f"no reward function: give --reward (the dataset {cfg.dataset!r} has none of its own)")
         self.rewards = rewards.load_rewards(specs, cfg.reward_weights)
+        rewards.check_columns(self.rewards, _columns(rows))  # before the first step, not in it
         builtin = _builtin(cfg.dataset)
         self.max_completion_length = cfg.max_completion_length or builtin.get("completion_length",
                                                                              DEFAULT_COMPLETION_LENGTH)
@@ -110,6 +111,10 @@ class DatasetTask:
         self.budget = budget
         if cfg.eval_dataset is not None:
             self.eval_rows, self.eval_source = data.load_rows(cfg.eval_dataset), cfg.eval_dataset
+            try:
+                rewards.check_columns(self.rewards, _columns(self.eval_rows))
+            except rewards.RewardError as e:
+                raise TaskError(f"eval dataset {cfg.eval_dataset}: {e}") from None
         else:
             self.eval_rows, self.eval_source = builtin.get("eval", []), f"{cfg.dataset} (its evaluation set)"
 
@@ -169,8 +174,13 @@ class DatasetTask:
             self.rewards, prompts=[r.prompt for r in rows],
             completions=[[{"role": "assistant", "content": t}] for t in texts] if conversational else texts,
             completion_ids=[list(c.token_ids) for c in completions], columns=columns,
-            trainer_state={"step": step, "weight_version": version})
+            trainer_state={"step": step, "weight_version": version}, row_ids=[r.row for r in rows])
         return Scores(total=total.float(), per_function=per)
+
+
+def _columns(rows: Sequence[dict]) -> set[str]:
+    """The columns besides `prompt` (every row has all of them: data.py fills the missing with None)."""
+    return set(rows[0]) - {"prompt"} if len(rows) else set()
 
 
 def _builtin(spec: str) -> dict:
