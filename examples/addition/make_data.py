@@ -6,6 +6,7 @@ tokenizer reads these prompts as they are; its eos ends an answer.
 """
 import json
 import random
+import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -16,12 +17,13 @@ def row(a: int, b: int) -> dict:
 
 
 if __name__ == "__main__":
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else HERE
     rng = random.Random(1234)
-    with (HERE / "train.jsonl").open("w") as f:
+    with (out / "train.jsonl").open("w") as f:
         for a in range(100):
             for b in range(100):
                 f.write(json.dumps(row(a, b)) + "\n")
-    with (HERE / "eval.jsonl").open("w") as f:
+    with (out / "eval.jsonl").open("w") as f:
         for _ in range(128):
             f.write(json.dumps(row(rng.randrange(100), rng.randrange(100))) + "\n")
-    print(f"wrote {HERE / 'train.jsonl'} and {HERE / 'eval.jsonl'}")
+    print(f"wrote {out / 'train.jsonl'} and {out / 'eval.jsonl'}")

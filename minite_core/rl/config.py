@@ -48,6 +48,7 @@ SETTINGS = dict(env_prefix="MINITE_", cli_kebab_case=True, cli_implicit_flags=Tr
 
 
 class RunConfig(BaseSettings):
+    """Every setting of an RL run, from --config FILE (TOML/JSON), MINITE_<NAME> and flags (docs/tasks.md)."""
     model_config = SettingsConfigDict(**SETTINGS, extra="forbid")
 
     # -- the model -------------------------------------------------------------------------------

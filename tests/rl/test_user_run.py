@@ -54,7 +54,7 @@ async def brevity(prompts, completions, completion_ids, data_source, **kwargs):
 
 def flaky(prompts, completions, completion_ids, answer, trainer_state, **kwargs):
     if (HERE / "broken").exists() and trainer_state["step"] >= 2:
-        return [float(a) if a != "7" else 1 / 0 for a in answer]  # a bug for one row
+        return [float(a) / 0 for a in answer]  # a bug
     return [0.0] * len(completions)
 '''
 
@@ -147,7 +147,8 @@ def test_reward_functions_get_the_rows_columns(trained, user):
             assert (ans, src) == (row["answer"], row["data_source"])
             assert comp == [{"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True)}]
             assert 1 <= len(ids) <= 8 and not (set(ids[:-1]) & eos)  # sampling stopped at the first eos
-    assert {c["trainer_state"]["weight_version"] for c in train_calls} == {0, 1, 2}
+    versions = [c["trainer_state"]["weight_version"] for c in train_calls]
+    assert versions == list(range(versions[0], versions[0] + STEPS))  # one new version per step
 
 
 def test_eval_metrics_before_during_and_after(trained):
@@ -158,7 +159,7 @@ def test_eval_metrics_before_during_and_after(trained):
                 "eval/sampled/reward"} <= set(summary[when]), summary[when]
     rows = _rows(run_dir)
     assert "eval/reward" in rows[1] and "eval/reward" in rows[2] and "eval/reward" not in rows[0]  # every 2, last
-    assert len([c for c in calls if len(c["prompts"]) == 4]) == 4  # greedy evals: before, step 2, step 3, after
+    assert len([c for c in calls if len(c["prompts"]) == 4]) == 3  # greedy evals: before, step 2, step 3 (= after)
 
 
 def test_a_reward_bug_mid_run_stops_and_resume_after_the_fix_is_bitwise(trained, user, tmp_path):
@@ -175,9 +176,9 @@ def test_a_reward_bug_mid_run_stops_and_resume_after_the_fix_is_bitwise(trained,
     assert r.returncode == 0, r.stderr[-3000:]
     ref, got = (load_file(str(d / "checkpoint" / "trainer.safetensors")) for d in (trained[0], run_dir))
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
-    strip = ("seconds", "tokens_per_second", "replayed")
-    assert [{k: v for k, v in m.items() if k not in strip} for m in _rows(run_dir)] == \
-           [{k: v for k, v in m.items() if k not in strip} for m in _rows(trained[0])]
+    def same(m):  # every metric but the timings
+        return {k: v for k, v in m.items() if not k.endswith(("seconds", "_per_s"))}
+    assert [same(m) for m in _rows(run_dir)] == [same(m) for m in _rows(trained[0])]
 
 
 def test_up_runs_the_same_config_through_the_services(user, tmp_path):
@@ -200,7 +201,7 @@ def test_export_round_trips_through_transformers(trained, user, tmp_path):
         r = _minite("export", run_dir, "--out", tmp_path / fmt, "--format", fmt)
         assert r.returncode == 0, r.stderr[-3000:]
     ids = torch.tensor([transformers.AutoTokenizer.from_pretrained(tmp_path / "hf").apply_chat_template(
-        _prompt(3, 4, True), add_generation_prompt=True)])
+        _prompt(3, 4, True), add_generation_prompt=True, return_dict=False)])
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = hf(ids).logits[0]
@@ -242,7 +243,7 @@ BAD = {
                        ["reward function 'f' raised KeyError", "sample"]),
     "wrong count": (["--reward", "{tmp}/r.py:f", "--reward-weights", "1"],
                     _write("r.py", "def f(prompts, completions, completion_ids, **kw):\n    return [1.0]\n"),
-                    ["'f' returned 1 values for 6 completions"]),
+                    ["'f' returned 1 values for 4 completions"]),  # (in the eval before step 1: 4 rows)
     "NaN": (["--reward", "{tmp}/r.py:f", "--reward-weights", "1"],
             _write("r.py", "def f(prompts, completions, completion_ids, **kw):\n    return [float('nan')] * len(prompts)\n"),
             ["'f' returned nan", "dataset row", "finite"]),
