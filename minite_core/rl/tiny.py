@@ -34,6 +34,7 @@ def write_tokenizer(path) -> None:
     """The character tokenizer as an HF tokenizer folder: tokenizer.json, tokenizer_config.json (the special
     tokens) and generation_config.json (generation stops at <eos>)."""
     path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
     build_tokenizer().save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIALS[BOS], "eos_token": SPECIALS[EOS],
