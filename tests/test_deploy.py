@@ -39,7 +39,7 @@ GRAFANA_DASHBOARDS = ROOT / "deploy" / "grafana" / "provisioning" / "dashboards"
 GAUGES = {
     "minite_num_requests_running", "minite_num_requests_waiting", "minite_kv_cache_usage_perc",
     "minite_weight_version", "minite_logprob_abs_diff_max", "minite_kl_k3", "minite_token_mismatch_ratio",
-    "minite_bitwise_equal_ratio", "minite_reward_mean",
+    "minite_bitwise_equal_ratio", "minite_reward_mean", "minite_reward_function_mean", "minite_eval",
 }
 COUNTERS = {
     "minite_prompt_tokens_total", "minite_generated_tokens_total", "minite_weight_sync_bytes_total",

@@ -89,7 +89,7 @@ def _burst(plain, n_grpc: int, n_rest: int, max_tokens: int) -> dict:
     async def rest_one(client, i):
         t0 = time.perf_counter()
         try:
-            r = await client.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": max_tokens})
+            r = await client.post(f"{url}/v1/completions", json={"prompt": PROMPT, "ignore_eos": True, "max_tokens": max_tokens})
             if r.status_code == 200:
                 ok = all(len(c["token_ids"]) == max_tokens for c in r.json()["choices"])
                 rest_out[i] = ("ok" if ok else "short", time.perf_counter() - t0)
@@ -162,7 +162,7 @@ def _refusal_probes(plain, count: int) -> dict:
                 lat["grpc"].append(time.perf_counter() - t0)
                 assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
                 t0 = time.perf_counter()
-                r = client.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "n": 8})
+                r = client.post(f"{url}/v1/completions", json={"prompt": PROMPT, "ignore_eos": True, "max_tokens": 4, "n": 8})
                 lat["rest"].append(time.perf_counter() - t0)
                 assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error", r.text
     finally:
@@ -189,7 +189,7 @@ def test_overload_refuses_fast_stays_bounded_and_recovers(plain):
     probes = _refusal_probes(plain, 10)
     rss_after = proc.rss_mb()
     # the service recovers: the queue is empty again and normal requests on both APIs succeed
-    r = httpx.post(f"{plain['url']}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4}, timeout=30)
+    r = httpx.post(f"{plain['url']}/v1/completions", json={"prompt": PROMPT, "ignore_eos": True, "max_tokens": 4}, timeout=30)
     g = plain["stub"].Generate(_gen(4, n=2), timeout=30)
     recovered = (r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4
                  and [len(c.token_ids) for c in g.choices] == [4, 4])
@@ -239,7 +239,7 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_0(plain):
     def rest_stream(key, n):
         max_tokens = short
         with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
-                          json={"prompt": PROMPT, "max_tokens": max_tokens, "n": n, "stream": True}) as r:
+                          json={"prompt": PROMPT, "ignore_eos": True, "max_tokens": max_tokens, "n": n, "stream": True}) as r:
             assert r.status_code == 200
             toks, finish, done = {}, {}, False
             for line in r.iter_lines():
@@ -253,7 +253,7 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_0(plain):
         results[key] = done and toks == {i: max_tokens for i in range(n)} and set(finish.values()) == {"length"}
 
     def rest_plain(key):
-        r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": short, "n": 2}, timeout=60)
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "ignore_eos": True, "max_tokens": short, "n": 2}, timeout=60)
         results[key] = r.status_code == 200 and [len(c["token_ids"]) for c in r.json()["choices"]] == [short] * 2
 
     def grpc_unary(key):
@@ -289,7 +289,7 @@ def test_sigterm_drains_in_flight_refuses_new_and_exits_0(plain):
             assert time.monotonic() < deadline, "no drain after SIGTERM"
             time.sleep(0.01)
         # during the drain: new work is refused, on both APIs; the health checks say so
-        r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, timeout=10)
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "ignore_eos": True, "max_tokens": 2}, timeout=10)
         assert r.status_code == 503, (r.status_code, r.text)
         health = httpx.get(f"{url}/health", timeout=10)
         assert health.status_code == 503 and health.json()["status"] == "draining"
@@ -341,7 +341,7 @@ def test_sigterm_cuts_what_outlasts_the_drain_bound(service_model, tmp_path):
             def stream():
                 finish, done = [], False
                 with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
-                                  json={"prompt": PROMPT, "max_tokens": 24, "n": 2, "stream": True}) as r:
+                                  json={"prompt": PROMPT, "ignore_eos": True, "max_tokens": 24, "n": 2, "stream": True}) as r:
                     for line in r.iter_lines():
                         done |= line == "data: [DONE]"
                         if line.startswith("data: {"):

@@ -228,7 +228,8 @@ def load(cls: type[BaseSettings], argv: list[str], prog: str, *, defaults: dict 
                 return f" (MINITE_{str(key).upper()})"
             return f" (in {path})" if key in file_values else ""
         lines = [f"{'.'.join(str(x) for x in err['loc']) or 'settings'}{origin(err['loc'][0] if err['loc'] else '')}: "
-                 f"{err['msg']}" + (f" (got {err['input']!r})" if err["type"] != "missing" and err["loc"] else "")
+                 f"{err['msg'].removeprefix('Value error, ')}"  # (our validators' messages quote the value)
+                 + (f" (got {err['input']!r})" if err["type"] not in ("missing", "value_error") else "")
                  for err in e.errors()]
         raise ConfigError("invalid settings\n  " + "\n  ".join(lines)) from None
 

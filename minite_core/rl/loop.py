@@ -13,11 +13,19 @@ import logging
 from pathlib import Path
 
 from . import report
-from .config import RunConfig
-from .trainer import Trainer
+from .config import ConfigError, RunConfig
+from .data import DataError
+from .rewards import RewardError
+from .state import CheckpointError
+from .task import TaskError
+from .trainer import ReplayMismatch, Trainer
 from .wal import TrajectoryLog, latest
 
 log = logging.getLogger("minite.train")
+
+# What a run's own inputs cause (its data, reward functions, task, settings, run directory): reported as
+# one line that names the file, row or function, never as a traceback.
+RUN_ERRORS = (ConfigError, DataError, RewardError, TaskError, CheckpointError, ReplayMismatch)
 
 
 def run(cfg: RunConfig, *, resume: bool | None = None, progress: bool = True, rollout=None, on_step=None,

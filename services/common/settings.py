@@ -68,6 +68,11 @@ class RolloutSettings(_Common):
     max_tokens_limit: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
     max_n: int = Field(64, ge=1, description="largest n (samples per request)")
 
+    @field_validator("precision", "backend")
+    @classmethod
+    def _choices(cls, v, info):
+        return one_of(v, info)
+
 
 class LearnerSettings(_Common, RunConfig):
     model_config = SettingsConfigDict(**SETTINGS, extra="forbid")

@@ -19,7 +19,7 @@ import torch
 
 from minite_core.consistency import drift_stats
 from minite_core.engine import check_temperature
-from minite_core.rl.loop import run
+from minite_core.rl.loop import RUN_ERRORS, run
 from minite_core.rl.trainer import StaleRollout, Trainer
 
 from ..common.metrics import LearnerMetrics
@@ -135,7 +135,10 @@ class LearnerRuntime:
                 log.info("stopped during step %d: %s", self.trainer.step_idx + 1, e)
                 return
             self.last_error = f"{type(e).__name__}: {e}"
-            log.exception("the training loop stopped")
+            if isinstance(e, RUN_ERRORS):  # the run's data, rewards or settings: the message says what and where
+                log.error("the training loop stopped: %s", e)
+            else:
+                log.exception("the training loop stopped")
         finally:
             self.running = False
 

@@ -193,6 +193,18 @@ def test_up_runs_the_same_config_through_the_services(user, tmp_path):
     assert all("rewards/correct/mean" in m for m in rows)
 
 
+def test_up_stops_on_a_reward_bug_with_one_line(user, tmp_path):
+    (tmp_path / "r.py").write_text("def f(prompts, completions, completion_ids, **kw):\n    raise KeyError('x')\n")
+    ports = [free_port() for _ in range(4)]
+    r = _minite("up", "--config", user / "run.toml", "--run-dir", tmp_path / "up", "--no-prometheus",
+                "--reward", f"{tmp_path / 'r.py'}:f", "--reward-weights", "1",
+                "--rollout-grpc-port", ports[0], "--rollout-http-port", ports[1], "--learner-grpc-port", ports[2],
+                "--learner-http-port", ports[3], timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1 and "reward function 'f' raised KeyError" in out and "Traceback" not in out, out[-3000:]
+    assert "the learner exited with code 1" in r.stderr
+
+
 def test_export_round_trips_through_transformers(trained, user, tmp_path):
     from minite_core.model import load_model
 
