@@ -25,7 +25,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minite.v1 import rollout_pb2 as pb  # noqa: E402
 from minite.v1 import rollout_pb2_grpc  # noqa: E402
-from minite_core.rl.tasks import AdditionRows, build_tokenizer  # noqa: E402
+from minite_core.rl.addition import AdditionRows, build_tokenizer  # noqa: E402
 from services.up import Proc  # noqa: E402
 
 

@@ -202,7 +202,7 @@ def _client(kind: str, i: int, grpc_addr: str, url: str, stop, out: list, errors
 
     from minite.v1 import rollout_pb2 as pb
     from minite.v1 import rollout_pb2_grpc as pb_grpc
-    from minite_core.rl.tasks import AdditionRows, build_tokenizer
+    from minite_core.rl.addition import AdditionRows, build_tokenizer
 
     rng, rows, tok = random.Random(i), AdditionRows(2), build_tokenizer()
     channel = grpc.insecure_channel(grpc_addr) if kind.startswith("grpc") else None

@@ -1,6 +1,5 @@
-"""Reinforcement learning: GRPO with rollout correction, tasks (datasets + reward functions), the trainer."""
+"""Reinforcement learning: the run configuration, datasets and reward functions, the Task door, GRPO, the
+learner step, the trainer and its loop (see docs/tasks.md)."""
 from .grpo import GRPOConfig, group_advantages, grpo_loss, rollout_weights
-from .tasks import AdditionRows, addition, build_tokenizer
 
-__all__ = ["AdditionRows", "GRPOConfig", "addition", "build_tokenizer", "group_advantages", "grpo_loss",
-           "rollout_weights"]
+__all__ = ["GRPOConfig", "group_advantages", "grpo_loss", "rollout_weights"]

@@ -8,7 +8,7 @@ A spec is one of:
   only standard prompts), `.parquet` (pyarrow);
 - a folder written by `datasets.Dataset.save_to_disk` (a `DatasetDict` folder gives its "train" split, or the
   split named as `folder:split`);
-- `addition` or `addition:<digits>`: the built-in addition task (minite_core.rl.tasks.AdditionRows);
+- `addition` or `addition:<digits>`: the built-in addition task (minite_core.rl.addition.AdditionRows);
 - `reasoning_gym:<name>[?size=N&seed=S&system=P&<config key>=<value>...]`: a procedural reasoning-gym dataset,
   generated offline (default size: the generator's own, seed 0, so use another seed for an eval set). Each row
   has a conversational prompt (a system message with reasoning-gym's "<answer>...</answer>" instructions,
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import parse_qsl
 
-from .tasks import AdditionRows
+from .addition import AdditionRows
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

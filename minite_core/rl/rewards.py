@@ -17,7 +17,7 @@ Functions are named as `path/to/file.py:name` (the file imported by path, relati
 - `format_regex` or `format_regex=<regex>`: 1.0 when the whole stripped completion matches (re.DOTALL); the
   default is the think/answer format `<think>...</think> <answer>...</answer>`;
 - `length_penalty=<tokens>`: 0 up to that many completion tokens, then -(tokens - target) / target;
-- `addition`: the built-in addition task (minite_core.rl.tasks);
+- `addition`: the built-in addition task (minite_core.rl.addition);
 - `reasoning_gym`: reasoning-gym's own scorer for the row's dataset (`metadata["source_dataset"]`) on the text
   of the last <answer>...</answer> of the completion (rows from `--dataset reasoning_gym:<name>`).
 
@@ -428,7 +428,7 @@ def _reasoning_gym():
 
 
 def _addition():
-    from .tasks import addition
+    from .addition import addition
     return addition
 
 

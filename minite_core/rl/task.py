@@ -187,7 +187,7 @@ def _builtin(spec: str) -> dict:
     """What a built-in source brings besides its rows: its completion length and its evaluation set."""
     name, _, arg = spec.partition(":")
     if name == "addition" and not spec.endswith((".jsonl", ".json", ".csv", ".parquet")):
-        from .tasks import addition_eval_rows
+        from .addition import addition_eval_rows
 
         digits = int(arg) if arg.isdigit() else 2
         return {"completion_length": digits + 2, "eval": addition_eval_rows(digits)}

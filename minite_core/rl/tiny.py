@@ -23,7 +23,7 @@ from ..model import load_model
 from ..model.qwen3 import Qwen3Config
 from ..model.random_init import random_checkpoint
 from .step import LearnerState, fp32_masters
-from .tasks import BOS, EOS, PAD, SPECIALS, VOCAB, addition, addition_eval_rows, build_tokenizer
+from .addition import BOS, EOS, PAD, SPECIALS, VOCAB, addition, addition_eval_rows, build_tokenizer
 
 TINY = Qwen3Config(vocab_size=len(VOCAB), hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=32)

@@ -10,7 +10,7 @@ import pytest
 
 from minite_core.rl.data import DataError, default_reward, load_rows, prompt_format
 from minite_core.rl.rewards import compute_rewards, load_rewards
-from minite_core.rl.tasks import BOS, EOS, addition_eval_rows, build_tokenizer
+from minite_core.rl.addition import BOS, EOS, addition_eval_rows, build_tokenizer
 
 CONVERSATIONAL = [
     {"prompt": [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "2+3?"}],

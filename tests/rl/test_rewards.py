@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minite_core.rl.rewards import RewardError, RewardFunction, check_columns, compute_rewards, load_rewards
-from minite_core.rl.tasks import EOS, SPECIALS, VOCAB, addition, build_tokenizer
+from minite_core.rl.addition import EOS, SPECIALS, VOCAB, addition, build_tokenizer
 
 REWARDS_PY = '''
 import asyncio
