@@ -29,8 +29,8 @@ train: setup  ## the same RL job in one process, no services
 proto: setup  ## regenerate the committed gRPC stubs in minite/v1 from proto/minite/v1/*.proto
 	cd proto && ../$(PY) -m grpc_tools.protoc -I . --python_out=.. --pyi_out=.. --grpc_python_out=.. minite/v1/*.proto
 
-compose-config:  ## validate docker-compose.yml offline (Debian's docker-compose v1 client)
-	docker-compose -f docker-compose.yml config -q
+compose-config:  ## validate docker-compose.yml offline (Debian's docker-compose v1 client; a placeholder token)
+	MINITE_AUTH_TOKEN=validate-only docker-compose -f docker-compose.yml config -q
 
 test: setup
 	$(PY) -m pytest -q

@@ -58,12 +58,13 @@ class ExportError(ValueError):
 
 def read_masters(run_dir) -> tuple[dict[str, torch.Tensor], dict, Path]:
     """(fp32 masters by HF name, trainer.json, the checkpoint folder) of a run's latest checkpoint."""
-    from .rl.wal import latest
+    from .rl.wal import candidates
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ExportError(f"{run_dir}: no such run directory")
-    ckpt = latest(run_dir / "checkpoint")
+    found = candidates(run_dir / "checkpoint")
+    ckpt = found[0] if found else None
     if ckpt is None:
         raise ExportError(f"{run_dir / 'checkpoint'}: no checkpoint (trainer.json) in this run directory")
     meta = json.loads((ckpt / "trainer.json").read_text())

@@ -8,6 +8,10 @@ service (pointed at every replica, told to exit after its last step) and, when a
 on PATH, a Prometheus that scrapes them all; then runs the RL job through the two services,
 prints where the metrics are, and stops everything (or keeps it up with --keep-running). Each
 process logs to a file in the run directory; the learner's progress is echoed here.
+
+Whatever ends `minite up` ends its children: SIGTERM / SIGINT / SIGHUP stop them in order (each drains),
+and if `minite up` itself is killed (SIGKILL) the kernel sends each child SIGTERM (PR_SET_PDEATHSIG), so
+no service is left training or holding its ports. The run directory is locked while `up` runs.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from pathlib import Path
 from pydantic import Field
 
 from minite_core.rl.config import RunConfig, parse
+from minite_core.rl.state import RunDirInUse, lock_run_dir
 
 
 class UpSettings(RunConfig):
@@ -52,6 +57,21 @@ def prometheus_config(s: UpSettings, rollout_http: list[int] | None = None) -> s
             f"  - job_name: minite-learner\n    static_configs:\n      - targets: ['{s.host}:{s.learner_http_port}']\n")
 
 
+def _die_with_parent():
+    """Ask the kernel for SIGTERM when our parent dies (Linux prctl PR_SET_PDEATHSIG), so a SIGKILLed `minite
+    up` leaves no services behind. Resolved here, called in the child between fork and exec."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: the signal handlers below still stop the children
+        return None
+    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
+_PDEATHSIG = _die_with_parent()
+
+
 class Proc:
     """A child process whose output goes to a log file (and, with echo, to our stdout); `ready` is set
     when a line starts with `ready_prefix`."""
@@ -60,7 +80,7 @@ class Proc:
         self.name, self.ready, self.lines, self.ready_line = name, threading.Event(), [], ""
         self.log = log.open("w")
         self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                  start_new_session=True)
+                                  start_new_session=True, preexec_fn=_PDEATHSIG)
         self.prefix = ready_prefix
         if ready_prefix is None:
             self.ready.set()
@@ -118,8 +138,23 @@ def _finished(summary: Path) -> bool:
         return False
 
 
+def _exit_on(sig, _frame):
+    raise SystemExit(128 + sig)  # unwinds into up()'s `finally`, which stops the children
+
+
 def up(s: UpSettings) -> int:
-    s.run_dir.mkdir(parents=True, exist_ok=True)
+    token = os.environ.get("MINITE_AUTH_TOKEN")
+    if token is not None and not token.strip():
+        print("minite up: error: MINITE_AUTH_TOKEN is empty or blank: set a real token, or unset it (then `up` "
+              "makes one for its services)", file=sys.stderr)
+        return 2
+    try:
+        lock_run_dir(s.run_dir)  # a second `up` here would delete this one's learner directory
+    except RunDirInUse as e:
+        print(f"minite up: error: {e}", file=sys.stderr)
+        return 2
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit_on)
     model_dir = s.model_path
     if not (model_dir / "config.json").exists():
         if not s.builtin_model:
@@ -205,6 +240,9 @@ def up(s: UpSettings) -> int:
     except RuntimeError as e:
         print(f"minite up: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("minite up: interrupted: stopping the services", file=sys.stderr, flush=True)
+        return 130
     finally:
         for p in reversed(procs):
             p.stop()

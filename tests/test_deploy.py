@@ -94,8 +94,21 @@ def datasource_uid() -> str:
 # --- docker-compose.yml ----------------------------------------------------------------------------------------
 
 def test_compose_config_validates():
-    result = run_tool([system_tool("docker-compose"), "-f", str(COMPOSE), "config", "-q"])
+    """Valid with a token; with none, compose stops before anything starts, naming the variable (there is no
+    default token); every port is published on 127.0.0.1 unless MINITE_PUBLISH_IP says otherwise."""
+    tool = system_tool("docker-compose")
+    env = {k: v for k, v in os.environ.items() if k not in ("MINITE_AUTH_TOKEN", "MINITE_PUBLISH_IP")}
+    result = subprocess.run([tool, "-f", str(COMPOSE), "config", "-q"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120, env={**env, "MINITE_AUTH_TOKEN": "a-test-token"})
     assert result.returncode == 0, result.stderr
+    unset = subprocess.run([tool, "-f", str(COMPOSE), "config", "-q"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120, env=env)
+    assert unset.returncode != 0 and "MINITE_AUTH_TOKEN" in unset.stderr, unset.stderr
+    rendered = yaml.safe_load(subprocess.run([tool, "-f", str(COMPOSE), "config"], cwd=ROOT, capture_output=True,
+                                             text=True, timeout=120, env={**env, "MINITE_AUTH_TOKEN": "t"}).stdout)
+    published = [p for svc in rendered["services"].values() for p in svc.get("ports", [])]
+    assert published and all(str(p).startswith("127.0.0.1:") or (isinstance(p, dict) and p.get("host_ip") ==
+                                                                  "127.0.0.1") for p in published), published
 
 
 def _container_ports(service: dict) -> dict[int, int]:

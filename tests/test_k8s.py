@@ -105,7 +105,8 @@ def container_env(c: dict, docs) -> dict[str, str]:
             env[e["name"]] = str(e["value"])
         else:
             ref = e["valueFrom"]["secretKeyRef"]
-            env[e["name"]] = str(secrets[ref["name"]]["stringData"][ref["key"]])
+            # (the shipped Secret is empty on purpose; parse as a deployment would, with the operator's token)
+            env[e["name"]] = str(secrets[ref["name"]]["stringData"][ref["key"]]) or "the-operators-token"
     return env
 
 
@@ -339,7 +340,19 @@ def test_schema_check_needs_no_network(monkeypatch):
 def test_gpu_limits_and_the_token_placeholder_are_marked():
     for f in ("rollout.yaml", "learner.yaml"):
         assert re.search(r"#\s*nvidia\.com/gpu: 1\s+# optional", (K8S / f).read_text()), f
-    assert "change-me" in (K8S / "secret.yaml").read_text() and "REPLACE" in (K8S / "secret.yaml").read_text()
+    secret = by_kind(load_docs(), "Secret")["minite-auth"]
+    assert secret["stringData"]["token"] == "" and "REPLACE" in (K8S / "secret.yaml").read_text()
+
+
+def test_the_shipped_empty_token_stops_the_services_at_start(monkeypatch):
+    """No default token ships: the Secret's empty value is refused by both services' settings."""
+    from minite_core.rl.config import ConfigError, load
+    from services.common.settings import LearnerSettings, RolloutSettings
+
+    monkeypatch.setenv("MINITE_AUTH_TOKEN", by_kind(load_docs(), "Secret")["minite-auth"]["stringData"]["token"])
+    for cls in (RolloutSettings, LearnerSettings):
+        with pytest.raises(ConfigError, match="empty or blank"):
+            load(cls, ["--host", "0.0.0.0"], "minite")
 
 
 # -- tests: the cross-references ----------------------------------------------------------------------

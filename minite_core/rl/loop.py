@@ -16,16 +16,16 @@ from . import report
 from .config import ConfigError, RunConfig
 from .data import DataError
 from .rewards import RewardError
-from .state import CheckpointError
+from .state import CheckpointError, RunDirInUse
 from .task import TaskError
 from .trainer import ReplayMismatch, Trainer
-from .wal import TrajectoryLog, latest
+from .wal import TrajectoryLog, candidates
 
 log = logging.getLogger("minite.train")
 
 # What a run's own inputs cause (its data, reward functions, task, settings, run directory): reported as
 # one line that names the file, row or function, never as a traceback.
-RUN_ERRORS = (ConfigError, DataError, RewardError, TaskError, CheckpointError, ReplayMismatch)
+RUN_ERRORS = (ConfigError, DataError, RewardError, TaskError, CheckpointError, ReplayMismatch, RunDirInUse)
 
 
 def run(cfg: RunConfig, *, resume: bool | None = None, progress: bool = True, rollout=None, on_step=None,
@@ -47,9 +47,8 @@ def run(cfg: RunConfig, *, resume: bool | None = None, progress: bool = True, ro
 def _lead(cfg: RunConfig, trainer: Trainer, resume: bool, progress, on_step, on_eval, retry, stop) -> list[dict]:
     run_dir = Path(cfg.run_dir)
     metrics_file, wal_file, summary_file = run_dir / "metrics.jsonl", run_dir / "trajectories.wal", run_dir / "summary.json"
-    checkpoint = latest(run_dir / "checkpoint") if resume else None
+    checkpoint = _resume_from(trainer, run_dir / "checkpoint") if resume else None
     if checkpoint is not None:
-        trainer.load(checkpoint)
         kept = [m for m in report.read_jsonl(metrics_file) if m["step"] <= trainer.step_idx]
         metrics_file.write_text("".join(json.dumps(m) + "\n" for m in kept))
     else:
@@ -110,3 +109,23 @@ def _lead(cfg: RunConfig, trainer: Trainer, resume: bool, progress, on_step, on_
     summary_file.write_text(json.dumps(summary, indent=1))
     report.plot(history, run_dir / "reward_drift.png", summary.get("before"), title=f"GRPO on {cfg.dataset}")
     return history
+
+
+def _resume_from(trainer: Trainer, path: Path) -> Path | None:
+    """Load the newest checkpoint that can be read (a warning names each one that cannot); None when there is
+    none; CheckpointError naming every file when none of them can be read."""
+    problems = []
+    for ckpt in candidates(path):
+        try:
+            trainer.load(ckpt)
+        except CheckpointError as e:
+            log.warning("cannot resume from %s (%s); trying the checkpoint before it", ckpt, e)
+            problems.append(str(e))
+            continue
+        if problems:
+            log.warning("resumed from the previous checkpoint %s (step %d); the trajectory log replays the steps "
+                        "after it", ckpt, trainer.step_idx)
+        return ckpt
+    if problems:
+        raise CheckpointError("no checkpoint of this run can be read: " + "; ".join(problems))
+    return None

@@ -4,15 +4,24 @@ the run's configuration, the torch RNG state).
 One process writes `trainer.safetensors` (tensors `master/<weight name>` and `optim/<weight name>/<key>`)
 and `trainer.json`; a data-parallel learner writes torch.distributed.checkpoint shards instead (every
 rank its own; distributed.py) and rank 0 the JSON. The directory is written atomically
-(wal.write_atomically), so a learner killed mid-write resumes from the previous one. The dataset rows a
+(wal.write_atomically), so a learner killed mid-write resumes from the previous one, and the one before
+is kept as `checkpoint.prev`: a latest checkpoint that cannot be read (a truncated or emptied file) is
+named in a warning and the run falls back to the previous one, whose later steps the trajectory log
+still holds (the trainer drops log records only through the previous checkpoint's step).
+
+`lock_run_dir` keeps a second process from using a run directory while one runs in it (an flock on
+`run.lock`, released when the process ends, however it ends). The dataset rows a
 step draws come from (seed, step, index) alone (task.py), so no data-loader state is saved.
 """
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from . import distributed
@@ -20,6 +29,35 @@ from . import distributed
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded here (the message names the directory and why)."""
+
+
+class RunDirInUse(ValueError):
+    """Another process runs in this run directory."""
+
+
+_HELD: dict[str, object] = {}  # run directories this process holds (a process may build several Trainers)
+
+
+def lock_run_dir(run_dir) -> None:
+    """Hold `run_dir`/run.lock for the rest of this process, or raise RunDirInUse naming the holder's pid."""
+    path = Path(run_dir).resolve()
+    if str(path) in _HELD:
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    f = open(path / "run.lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        owner = f.read().strip() or "?"
+        f.close()
+        raise RunDirInUse(f"run directory {path} is in use by another run (pid {owner}): stop that one first, or "
+                          "give this run another run_dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    _HELD[str(path)] = f
 
 
 def save(path, masters: dict, opt: torch.optim.Optimizer, meta: dict, *, group=None, module=None) -> None:
@@ -44,7 +82,11 @@ def save(path, masters: dict, opt: torch.optim.Optimizer, meta: dict, *, group=N
 def load(path, masters: dict, opt: torch.optim.Optimizer, *, group=None, module=None) -> dict:
     """Read the checkpoint in `path` into the masters and the optimizer; -> its JSON metadata."""
     path = Path(path)
-    meta = json.loads((path / "trainer.json").read_text())
+    try:
+        meta = json.loads((path / "trainer.json").read_text())
+        meta["step"], meta["weight_version"], meta["torch_rng"]  # noqa: B018 (the keys a resume needs)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path / 'trainer.json'} cannot be read: {type(e).__name__}: {e}") from None
     if group is not None:
         if not (path / ".metadata").exists():
             raise CheckpointError(f"{path} is not a data-parallel (torch.distributed.checkpoint) checkpoint")
@@ -52,7 +94,10 @@ def load(path, masters: dict, opt: torch.optim.Optimizer, *, group=None, module=
     else:
         if not (path / "trainer.safetensors").exists():
             raise CheckpointError(f"{path} holds a data-parallel checkpoint: resume it with torchrun and --data-parallel")
-        tensors = load_file(str(path / "trainer.safetensors"))
+        try:
+            tensors = load_file(str(path / "trainer.safetensors"))
+        except (OSError, SafetensorError) as e:
+            raise CheckpointError(f"{path / 'trainer.safetensors'} cannot be read: {e}") from None
         names = list(masters)
         missing = [n for n in names if f"master/{n}" not in tensors]
         if missing:

@@ -101,6 +101,8 @@ class Trainer:
         self.cfg = cfg
         self.group = distributed.setup(cfg.data_parallel)  # None: one process
         self.leader = self.group is None or self.group.leader
+        if self.leader:  # a second learner on this run directory refuses to start (it would interleave steps)
+            state.lock_run_dir(cfg.run_dir)
         torch.manual_seed(cfg.seed)
         gpu = self.group is not None and self.group.device.type == "cuda"
         where = dict(device=self.group.device if gpu else cfg.device, backend=cfg.backend)
@@ -138,6 +140,7 @@ class Trainer:
         self.state = LearnerState(policy, masters, opt, max_grad_norm=cfg.max_grad_norm,
                                   block_2d=cfg.backward == "nvfp4")
         self.step_idx = 0
+        self.checkpoint_step = 0  # the step of the last checkpoint written or loaded
         self.version = 0
         self.ended = False  # (data-parallel) rank 0 has released the other ranks
         self._sync_weights()
@@ -350,11 +353,12 @@ class Trainer:
         meta = {"step": self.step_idx, "weight_version": self.version, "config": self.cfg.run_fields()}
         write_atomically(path, lambda p: state.save(p, self.masters, self.state.opt, meta, group=self.group,
                                                     module=self.module), group=self.group)
-        if self.wal is not None:
-            self.wal.drop_through(self.step_idx)
+        if self.wal is not None:  # kept from the previous checkpoint on: it is the fallback (state.py)
+            self.wal.drop_through(self.checkpoint_step)
+        self.checkpoint_step = self.step_idx
 
     def _load(self, path) -> None:
         meta = state.load(path, self.masters, self.state.opt, group=self.group, module=self.module)
-        self.step_idx = meta["step"]
+        self.step_idx = self.checkpoint_step = meta["step"]
         self.version = meta["weight_version"] - 1
         self._sync_weights()  # back to the saved version, on the rollout side too

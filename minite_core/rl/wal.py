@@ -11,7 +11,7 @@ A learner can die at any instant (SIGKILL, a lost node). Two promises survive it
   steps a checkpoint already holds are dropped when the checkpoint is written; a torn last line (the
   process died mid-append) was never acknowledged and is ignored: that step samples again.
 * a checkpoint is never half written: it is written to a fresh directory, fsync'd, then swapped in by
-  renames; a crash between the renames leaves the previous one at `<dir>.old`, which `latest` finds.
+  renames; a crash between the renames leaves the previous one at `<dir>.old`, which `candidates` finds.
 
 One JSON line per step: {"step", "rows" (the dataset rows drawn), "completions": [{prompt_ids, token_ids,
 logprobs, finish_reason, weight_version, request_index, sample_index}], "rewards": {"total": [...],
@@ -113,7 +113,7 @@ class TrajectoryLog:
 
 def write_atomically(path, write, group=None) -> None:
     """Call write(tmp_dir) to fill a fresh directory, fsync it, then put it at `path` by renames: readers
-    (`latest`) see the old checkpoint or the new one, never a mix. With a data-parallel `group`
+    (`candidates`) see the old checkpoint or the new one, never a mix; the old one stays as `<path>.prev`. With a data-parallel `group`
     (distributed.Group) every rank calls this: rank 0 prepares and swaps, every rank writes its part."""
     path = Path(path)
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
@@ -136,15 +136,18 @@ def write_atomically(path, write, group=None) -> None:
             os.rename(path, old)
         os.rename(tmp, path)
         _fsync_dir(path.parent)
-        shutil.rmtree(old, ignore_errors=True)
+        if old.exists():  # the previous checkpoint: the fallback when the new one cannot be read later
+            prev = path.with_name(path.name + ".prev")
+            shutil.rmtree(prev, ignore_errors=True)
+            os.rename(old, prev)
+            _fsync_dir(path.parent)
     if group is not None:
         group.barrier()
 
 
-def latest(path) -> Path | None:
-    """The checkpoint directory to resume from: `path`, or `<path>.old` if a crash fell between the renames."""
+def candidates(path) -> list[Path]:
+    """The checkpoint directories to resume from, newest first: `path` (or `<path>.old` if a crash fell
+    between the renames), then `<path>.prev`, the one before."""
     path = Path(path)
-    for p in (path, path.with_name(path.name + ".old")):
-        if (p / "trainer.json").exists():
-            return p
-    return None
+    return [p for p in (path, path.with_name(path.name + ".old"), path.with_name(path.name + ".prev"))
+            if (p / "trainer.json").exists()]

@@ -24,9 +24,10 @@ def token_ok(expected: str | None, header: str | None) -> bool:
     """Does an `authorization` value carry the expected token? (No token configured: everything passes.)"""
     if expected is None:
         return True
-    if not header or not header.startswith("Bearer "):
+    scheme, _, token = (header or "").strip().partition(" ")
+    if scheme.lower() != "bearer":  # (auth schemes are case-insensitive, RFC 7235)
         return False
-    return hmac.compare_digest(header[len("Bearer "):].encode(), expected.encode())
+    return hmac.compare_digest(token.strip().encode(), expected.encode())
 
 
 class TokenInterceptor(grpc.ServerInterceptor):
@@ -96,19 +97,25 @@ def make_server(settings, service_names: list[str], add_servicers, *, protected:
     and reflection; `add_servicers(server)` registers ours. Returns (server, bound port, health servicer)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
                          interceptors=[TokenInterceptor(settings.token, protected), DecodeInterceptor()],
-                         options=message_options(settings.max_message_mb), maximum_concurrent_rpcs=4 * workers)
+                         # no SO_REUSEPORT (grpc's default): a second server on a port in use must fail to bind,
+                         # not start "ready" and take part of the traffic, weight pushes included
+                         options=message_options(settings.max_message_mb) + [("grpc.so_reuseport", 0)],
+                         maximum_concurrent_rpcs=4 * workers)
     add_servicers(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(service_names + [health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     address = f"{settings.host}:{settings.grpc_port}"
-    if settings.tls_cert:
-        creds = grpc.ssl_server_credentials([(settings.tls_key.read_bytes(), settings.tls_cert.read_bytes())])
-        port = server.add_secure_port(address, creds)
-    else:
-        port = server.add_insecure_port(address)
+    try:
+        if settings.tls_cert:
+            creds = grpc.ssl_server_credentials([(settings.tls_key.read_bytes(), settings.tls_cert.read_bytes())])
+            port = server.add_secure_port(address, creds)
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError:  # (grpc >= 1.60 raises "Failed to bind"; older versions return 0)
+        port = 0
     if port == 0:
-        raise RuntimeError(f"cannot listen on {address} (port in use?)")
+        raise RuntimeError(f"cannot listen on {address}: the port is in use (or the address is not this host's)")
     server.start()
     for name in service_names + [""]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -20,8 +20,13 @@ log = logging.getLogger("minite.serve")
 HTTP_CLOSE_S = 5.0  # after the drain: how long open HTTP responses get to end before they are cut
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def setup_logging(settings) -> None:
+    """Logging at the settings' level; a warning when the service runs without a token (settings.py allows
+    that only on a loopback address, or with --insecure)."""
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.token is None:
+        log.warning("no auth token (MINITE_AUTH_TOKEN): anyone who can reach %s may push weights, score and "
+                    "control this service%s", settings.host, "" if not settings.insecure else " (--insecure)")
 
 
 class _Server(uvicorn.Server):

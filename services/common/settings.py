@@ -16,13 +16,27 @@ from minite_core.rl.config import SETTINGS, RunConfig, one_of, parse  # noqa: F4
 MB = 1 << 20
 
 
+def is_loopback(host: str) -> bool:
+    """Is `host` an address only this machine can reach (127.0.0.0/8, ::1, localhost)?"""
+    import ipaddress
+
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it resolves to who knows what
+        return False
+
+
 class _Common(BaseSettings):
     """What every service process has: where it listens, auth, TLS, limits, logging, drain."""
     model_config = SettingsConfigDict(**SETTINGS, extra="forbid")
 
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 in containers)")
-    auth_token: SecretStr | None = Field(None, description="shared token for weight pushes and learner control "
-                                                         "(env MINITE_AUTH_TOKEN); unset: no auth")
+    auth_token: SecretStr | None = Field(None, description="shared token for weight pushes, scoring and learner "
+                                         "control (env MINITE_AUTH_TOKEN); unset: no auth, which is only allowed on a "
+                                         "loopback address unless --insecure")
+    insecure: bool = Field(False, description="serve without a token on a non-loopback address (not recommended)")
     tls_cert: Path | None = Field(None, description="PEM certificate: serve gRPC and HTTP over TLS")
     tls_key: Path | None = Field(None, description="PEM private key for --tls-cert")
     tls_ca: Path | None = Field(None, description="CA bundle that clients use to verify peers (learner -> rollout)")
@@ -39,6 +53,21 @@ class _Common(BaseSettings):
         if v.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, not {v!r}")
         return v.lower()
+
+    @field_validator("auth_token")
+    @classmethod
+    def _token(cls, v):
+        if v is not None and not v.get_secret_value().strip():  # "" would silently mean "no auth"
+            raise ValueError("empty or blank: set a real token, or unset it to "
+                             "serve without auth on a loopback address")
+        return v
+
+    @model_validator(mode="after")
+    def _open_only_on_loopback(self):
+        if self.auth_token is None and not self.insecure and not is_loopback(self.host):
+            raise ValueError(f"no auth token: refusing to serve on {self.host}, which is not a loopback address; set "
+                             "MINITE_AUTH_TOKEN (or pass --insecure to serve open anyway)")
+        return self
 
     @model_validator(mode="after")
     def _tls_pair(self):
@@ -67,6 +96,12 @@ class RolloutSettings(_Common):
     max_waiting: int = Field(256, ge=1, description="queued sequences beyond which requests get 429 / RESOURCE_EXHAUSTED")
     max_tokens_limit: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
     max_n: int = Field(64, ge=1, description="largest n (samples per request)")
+    max_body_mb: float = Field(8.0, gt=0, le=1024, description="REST request body limit, MiB: a larger body is "
+                               "refused (413) before it is read")
+    max_stop: int = Field(64, ge=0, le=65536, description="most `stop` strings a REST request may give")
+    max_stop_chars: int = Field(1024, ge=1, le=1 << 20, description="longest `stop` string, characters")
+    max_stop_token_ids: int = Field(1024, ge=0, le=1 << 20, description="most stop_token_ids a request may give "
+                                    "(REST and gRPC)")
 
     @field_validator("precision", "backend")
     @classmethod

@@ -28,7 +28,7 @@ def start_grpc(settings: LearnerSettings, runtime: LearnerRuntime):
 
 
 def serve(settings: LearnerSettings) -> bool:
-    setup_logging(settings.log_level)
+    setup_logging(settings)
     runtime = LearnerRuntime(settings)
     server, port, health = start_grpc(settings, runtime)
 
@@ -88,7 +88,7 @@ def follow(settings: LearnerSettings) -> None:
     from minite_core.rl.loop import run
     from minite_core.rl.trainer import Follower, Trainer
 
-    setup_logging(settings.log_level)
+    setup_logging(settings)
     for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 drains and ends the run; torchrun SIGKILLs a stuck rank
         signal.signal(sig, signal.SIG_IGN)
     run(settings, trainer=Trainer(settings, Follower()))

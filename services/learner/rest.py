@@ -1,5 +1,7 @@
-"""The learner service's REST API: POST /v1/score, GET /v1/status, POST /v1/control (pause/resume,
-needs `Authorization: Bearer <token>`), GET /health, GET /metrics, the OpenAPI schema at /openapi.json.
+"""The learner service's REST API: POST /v1/score, GET /v1/status, POST /v1/control (pause/resume), GET
+/health, GET /metrics, the OpenAPI schema at /openapi.json. With a token configured, /v1/score and
+/v1/control need `Authorization: Bearer <token>` (scoring costs the training loop compute); /v1/control
+checks it before it reads the body.
 
 Errors are {"error": {"message", "code"}} with 400 (bad request), 401 (missing or wrong token), 404
 (unknown path), 405 (wrong method), 415 (a body that is not JSON), as the OpenAPI schema lists them;
@@ -11,10 +13,10 @@ import asyncio
 import logging
 from typing import Literal
 
-from fastapi import FastAPI, Header, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minite_core.engine.rollout import MAX_TEMPERATURE, MIN_TEMPERATURE
@@ -86,7 +88,14 @@ def build_app(rt: LearnerRuntime) -> FastAPI:
     async def _http(request: Request, exc: StarletteHTTPException):
         return _error(exc.status_code, str(exc.detail))
 
-    @app.post("/v1/score", responses=_errors(400, 404, 415))
+    def authorized(request: Request) -> None:
+        """401 unless the request carries the token (a dependency: it runs before the body is validated)."""
+        header = request.headers.get("authorization")
+        if not token_ok(rt.settings.token, header):
+            log.warning("refused %s: %s token", request.url.path, "missing" if not header else "wrong")
+            raise StarletteHTTPException(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
+
+    @app.post("/v1/score", responses=_errors(400, 401, 404, 415), dependencies=[Depends(authorized)])
     async def score(body: ScoreRequest):
         try:
             lps, version = await asyncio.to_thread(rt.score, body.prompt_ids, body.completion_ids,
@@ -101,11 +110,19 @@ def build_app(rt: LearnerRuntime) -> FastAPI:
     async def status():
         return rt.status()
 
-    @app.post("/v1/control", responses=_errors(400, 401, 415))
-    async def control(body: ControlRequest, authorization: str | None = Header(None)):
-        if not token_ok(rt.settings.token, authorization):
-            log.warning("refused /v1/control: %s token", "missing" if not authorization else "wrong")
-            return _error(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
+    @app.post("/v1/control", responses=_errors(400, 401, 415), openapi_extra={"requestBody": {
+        "required": True, "content": {"application/json": {"schema": ControlRequest.model_json_schema()}}}})
+    async def control(request: Request):
+        authorized(request)  # before the body is read: an unauthenticated client gets nothing parsed
+        ctype = request.headers.get("content-type", "")
+        if not is_json(ctype):
+            return _error(415, f"the request body must be JSON (Content-Type: application/json), got "
+                          f"{ctype or 'no Content-Type'}")
+        try:
+            body = ControlRequest.model_validate_json(await request.body())
+        except ValidationError as e:
+            return _error(400, "; ".join(f"{'.'.join(str(x) for x in err['loc']) or 'body'}: {err['msg']}"
+                                         for err in e.errors()) or "invalid request")
         (rt.paused.set if body.action == "pause" else rt.paused.clear)()
         return rt.status()
 

@@ -37,7 +37,7 @@ def start_grpc(settings: RolloutSettings, runtime: RolloutRuntime):
 
 
 def serve(settings: RolloutSettings) -> None:
-    setup_logging(settings.log_level)
+    setup_logging(settings)
     runtime = RolloutRuntime(settings)
     server, port, health = start_grpc(settings, runtime)
 
