@@ -101,7 +101,8 @@ def test_openapi_fuzz(service, request):
             @given(case=op.as_strategy(mode))
             def run(case):
                 n = sent[op.label, mode] = sent.get((op.label, mode), 0) + 1
-                headers = {"authorization": f"Bearer {TOKEN}"} if op.path == "/v1/control" and n % 2 else None
+                headers = {"authorization": f"Bearer {TOKEN}"} if op.path in ("/v1/control", "/v1/score") and n % 2 \
+                    else None
                 response = case.call(session=session, headers=headers, timeout=60)
                 case.validate_response(response, checks=checks)  # raises the failures it finds
                 if 400 <= response.status_code < 500:
@@ -164,6 +165,7 @@ def _gen(prompt=(1, 4, 5, 13, 6, 14), *, model="", raw_params=b"", text=None, **
 
 
 def _unary(channel, method, payload: bytes, **kw):
+    kw.setdefault("metadata", AUTH)  # (both services here have the token; Score needs it)
     return channel.unary_unary(method, request_serializer=None, response_deserializer=None)(payload, timeout=60, **kw)
 
 
@@ -621,9 +623,9 @@ def _rest_cases():
 def test_rest_refuses(request, limits, service, path, body, status, words):
     url = request.getfixturevalue(service)[2] + path
     body = body(limits) if callable(body) else body
-    auth = {"authorization": f"Bearer {TOKEN}"} if path == "/v1/control" else {}
+    auth = {"authorization": f"Bearer {TOKEN}"} if service == "learner" else {}
     if isinstance(body, tuple):
-        r = httpx.post(url, content=body[0], headers=body[1], timeout=60)
+        r = httpx.post(url, content=body[0], headers={**auth, **body[1]}, timeout=60)
     elif isinstance(body, (bytes, str)):
         r = httpx.post(url, content=body, headers={"content-type": "application/json", **auth}, timeout=60)
     else:
@@ -652,7 +654,8 @@ def test_rest_boundaries_are_served(rollout, learner, limits):
     r = httpx.post(f"{rollout[2]}/v1/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": "<bos>" + "1" * (ctx - 2)}], "max_completion_tokens": 1})
     assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 1, r.text
-    r = httpx.post(f"{learner[2]}/v1/score", json={"prompt_ids": [1] * (ctx - 1), "completion_ids": [4]}, timeout=60)
+    r = httpx.post(f"{learner[2]}/v1/score", json={"prompt_ids": [1] * (ctx - 1), "completion_ids": [4]}, timeout=60,
+                   headers={"authorization": f"Bearer {TOKEN}"})
     assert r.status_code == 200 and len(r.json()["logprobs"]) == 1, r.text
 
 
@@ -667,9 +670,9 @@ def test_openapi_documents_the_errors(rollout, learner):
 
 def test_learner_health_reports_a_dead_training_loop(service_model, rollout, learner, tmp_path):
     assert httpx.get(f"{learner[2]}/health", timeout=30).status_code == 200  # a learner whose loop is fine
-    blocker = tmp_path / "run-dir-is-a-file"
-    blocker.write_text("not a directory")  # the loop cannot write its run dir: it stops on the error
-    with learner_service(service_model, rollout[1], auth_token=TOKEN, steps=1, run_dir=blocker) as (rt, _, url):
+    run_dir = tmp_path / "run"
+    (run_dir / "metrics.jsonl").mkdir(parents=True)  # the loop cannot write its metrics: it stops on the error
+    with learner_service(service_model, rollout[1], auth_token=TOKEN, steps=1, run_dir=run_dir) as (rt, _, url):
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200  # not started yet
         rt.start()
         deadline = time.monotonic() + 60
@@ -680,5 +683,5 @@ def test_learner_health_reports_a_dead_training_loop(service_model, rollout, lea
         assert r.status_code == 503, r.text
         body = r.json()
         assert body["status"] == "failed" and "training loop" in body["error"]["message"]
-        assert "run-dir-is-a-file" in body["error"]["message"]  # the cause, as the loop reported it
+        assert "metrics.jsonl" in body["error"]["message"]  # the cause, as the loop reported it
         assert httpx.get(f"{url}/v1/status", timeout=30).json()["last_error"]  # Status still answers

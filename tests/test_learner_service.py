@@ -14,6 +14,7 @@ from tests.service_helpers import learner_service, rollout_service
 
 TOKEN = "learner-test-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
+HEADERS = {"authorization": f"Bearer {TOKEN}"}
 PROMPT = [1, 4, 5, 13, 6, 7, 14]
 
 
@@ -46,9 +47,9 @@ def test_learner_pushed_its_weights_packed(pair):
 def test_score_equals_rollout_logprobs(pair):
     ro, le, rstub, lstub = pair
     for t in _trajectories(rstub):
-        s = lstub.Score(lpb.ScoreRequest(prompt_ids=PROMPT, completion_ids=t.completion_ids), timeout=60)
+        s = lstub.Score(lpb.ScoreRequest(prompt_ids=PROMPT, completion_ids=t.completion_ids), timeout=60, metadata=AUTH)
         assert list(s.logprobs) == list(t.rollout_logprobs) and s.weight_version == 1
-        r = httpx.post(f"{le[2]}/v1/score", json={"prompt_ids": PROMPT, "completion_ids": list(t.completion_ids)}).json()
+        r = httpx.post(f"{le[2]}/v1/score", headers=HEADERS, json={"prompt_ids": PROMPT, "completion_ids": list(t.completion_ids)}).json()
         assert [float(torch.tensor(x, dtype=torch.float32)) for x in r["logprobs"]] == list(t.rollout_logprobs)
 
 
@@ -108,9 +109,9 @@ def test_token_required(pair):
 def test_score_bad_input_and_status(pair):
     _, le, _, lstub = pair
     with pytest.raises(grpc.RpcError) as e:
-        lstub.Score(lpb.ScoreRequest(prompt_ids=PROMPT, completion_ids=[3] * 40), timeout=30)
+        lstub.Score(lpb.ScoreRequest(prompt_ids=PROMPT, completion_ids=[3] * 40), timeout=30, metadata=AUTH)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context" in e.value.details()
-    r = httpx.post(f"{le[2]}/v1/score", json={"prompt_ids": PROMPT, "completion_ids": []})
+    r = httpx.post(f"{le[2]}/v1/score", headers=HEADERS, json={"prompt_ids": PROMPT, "completion_ids": []})
     assert r.status_code == 400 and "completion_ids" in r.json()["error"]["message"]
     st = lstub.Status(lpb.StatusRequest(), timeout=30)
     assert st.weight_version == 1 and st.step == 0 and len(st.rollout_replicas) == 1
@@ -136,9 +137,9 @@ def test_score_temperature_bounds(pair):
     _, le, _, lstub = pair
     for t in (1e308, 1e-300):
         with pytest.raises(grpc.RpcError) as e:
-            lstub.Score(lpb.ScoreRequest(prompt_ids=PROMPT, completion_ids=[3], temperature=t), timeout=30)
+            lstub.Score(lpb.ScoreRequest(prompt_ids=PROMPT, completion_ids=[3], temperature=t), timeout=30, metadata=AUTH)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        r = httpx.post(f"{le[2]}/v1/score", json={"prompt_ids": PROMPT, "completion_ids": [3], "temperature": t})
+        r = httpx.post(f"{le[2]}/v1/score", headers=HEADERS, json={"prompt_ids": PROMPT, "completion_ids": [3], "temperature": t})
         assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
 
 
@@ -176,26 +177,26 @@ def test_score_at_kept_versions_and_in_batches(pair):
     assert new[0].weight_version == rt.version > v_old
     items = [lpb.ScoreRequest(prompt_ids=PROMPT, completion_ids=t.completion_ids, weight_version=t.weight_version)
              for t in old + new]
-    resp = lstub.ScoreBatch(lpb.ScoreBatchRequest(items=items), timeout=60)
+    resp = lstub.ScoreBatch(lpb.ScoreBatchRequest(items=items), timeout=60, metadata=AUTH)
     assert [list(r.logprobs) for r in resp.results] == [list(t.rollout_logprobs) for t in old + new]
     assert [r.weight_version for r in resp.results] == [t.weight_version for t in old + new]
-    now = lstub.Score(lpb.ScoreRequest(prompt_ids=PROMPT, completion_ids=old[0].completion_ids), timeout=60)
+    now = lstub.Score(lpb.ScoreRequest(prompt_ids=PROMPT, completion_ids=old[0].completion_ids), timeout=60, metadata=AUTH)
     assert now.weight_version == rt.version and list(now.logprobs) != list(old[0].rollout_logprobs)
-    r = httpx.post(f"{le[2]}/v1/score", json={"prompt_ids": PROMPT, "completion_ids": list(old[0].completion_ids),
+    r = httpx.post(f"{le[2]}/v1/score", headers=HEADERS, json={"prompt_ids": PROMPT, "completion_ids": list(old[0].completion_ids),
                                               "weight_version": v_old}).json()
     assert [float(torch.tensor(x, dtype=torch.float32)) for x in r["logprobs"]] == list(old[0].rollout_logprobs)
 
-    for call in (lambda: lstub.Score(lpb.ScoreRequest(prompt_ids=PROMPT, completion_ids=[3], weight_version=999), timeout=30),
+    for call in (lambda: lstub.Score(lpb.ScoreRequest(prompt_ids=PROMPT, completion_ids=[3], weight_version=999), timeout=30, metadata=AUTH),
                  lambda: lstub.ScoreBatch(lpb.ScoreBatchRequest(items=[items[0], lpb.ScoreRequest(
-                     prompt_ids=PROMPT, completion_ids=[3], weight_version=999)]), timeout=30)):
+                     prompt_ids=PROMPT, completion_ids=[3], weight_version=999)]), timeout=30, metadata=AUTH)):
         with pytest.raises(grpc.RpcError) as e:
             call()
         assert e.value.code() == grpc.StatusCode.NOT_FOUND and "999 is not kept" in e.value.details()
-    r = httpx.post(f"{le[2]}/v1/score", json={"prompt_ids": PROMPT, "completion_ids": [3], "weight_version": 999})
+    r = httpx.post(f"{le[2]}/v1/score", headers=HEADERS, json={"prompt_ids": PROMPT, "completion_ids": [3], "weight_version": 999})
     assert r.status_code == 404 and "not kept" in r.json()["error"]["message"]
     for req, words in [(lpb.ScoreBatchRequest(), "no items"),
                        (lpb.ScoreBatchRequest(items=[items[0], lpb.ScoreRequest(prompt_ids=PROMPT)]), "item 1"),
-                       (lpb.ScoreBatchRequest(items=[items[0]] * 4097), "at most 4096")]:
+                       (lpb.ScoreBatchRequest(items=[items[0]] * 4097), "at most 256")]:
         with pytest.raises(grpc.RpcError) as e:
-            lstub.ScoreBatch(req, timeout=30)
+            lstub.ScoreBatch(req, timeout=30, metadata=AUTH)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details(), e.value.details()

@@ -301,10 +301,11 @@ def test_weight_pushes_under_load(service_model, tmp_path):
             versions |= vs
             if toks:
                 seqs.append((prompt, toks, lps, next(iter(vs))))
-        for k in range(0, len(seqs), 4096):
-            part = seqs[k:k + 4096]
+        for k in range(0, len(seqs), 256):  # (ScoreBatch takes at most 256 sequences a call)
+            part = seqs[k:k + 256]
             resp = stub.ScoreBatch(lpb.ScoreBatchRequest(items=[lpb.ScoreRequest(prompt_ids=p, completion_ids=t, weight_version=v)
-                                                                for p, t, _, v in part]), timeout=300)
+                                                                for p, t, _, v in part]), timeout=300,
+                                   metadata=(("authorization", f"Bearer {TOKEN}"),))
             for (p, t, lps, v), s in zip(part, resp.results, strict=True):
                 assert s.weight_version == v
                 if not torch.equal(torch.tensor(list(s.logprobs)), torch.tensor(lps, dtype=torch.float32)):

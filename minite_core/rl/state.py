@@ -43,6 +43,8 @@ def lock_run_dir(run_dir) -> None:
     path = Path(run_dir).resolve()
     if str(path) in _HELD:
         return
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"run directory {path} is a file, not a directory")
     path.mkdir(parents=True, exist_ok=True)
     f = open(path / "run.lock", "a+")
     try:

@@ -100,6 +100,8 @@ class RolloutSettings(_Common):
                                "refused (413) before it is read")
     max_stop: int = Field(64, ge=0, le=65536, description="most `stop` strings a REST request may give")
     max_stop_chars: int = Field(1024, ge=1, le=1 << 20, description="longest `stop` string, characters")
+    push_idle_timeout: float = Field(30.0, gt=0, le=3600, description="seconds without a message after which a "
+                                     "weight push is abandoned and its update lock released")
     max_stop_token_ids: int = Field(1024, ge=0, le=1 << 20, description="most stop_token_ids a request may give "
                                     "(REST and gRPC)")
 

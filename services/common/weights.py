@@ -16,13 +16,30 @@ implementation for both. `SharedFrames` lets N streams of one version send the s
 from __future__ import annotations
 
 import collections
+import math
 import threading
+import time
 import zlib
 
 import torch
 
 from minite.v1 import rollout_pb2 as pb
 from minite_core.nvfp4 import NVFP4Tensor
+
+# A weight version is 1..MAX_VERSION. 2^53: every version is exact as a float64 (the weight_version gauge
+# in /metrics, JSON numbers in REST answers and their JavaScript clients), and at one push per millisecond
+# it lasts 285,000 years. A bound relative to the serving version would refuse the legitimate re-push of
+# a long-running learner's version to a replica that restarted at 0, so the bound is absolute. Above it a
+# push is malformed (INVALID_ARGUMENT): accepted, it would leave no room for a later, newer push (2^64-1
+# makes every later one "stale"; a learner that re-syncs above it would overflow uint64).
+MAX_VERSION = 2 ** 53
+# The largest |value| a pushed weight may dequantize to. Trained LLM weights stay far below it (linear
+# weights ~1, norm weights ~1e2 at most); a global scale like 3e38 dequantizes to inf (3e38 * 448 * 6) and
+# turns every logprob into NaN, so such a push is refused before the swap, naming the tensor.
+MAX_ABS_WEIGHT = 1e4
+# A push stream that sends no message for this many seconds is abandoned by the receiver (idle_guarded),
+# so a stalled pusher does not hold the one-push-at-a-time update lock until its own deadline.
+PUSH_IDLE_TIMEOUT_S = 30.0
 
 FORMATS = {"nvfp4": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
 PART_DTYPES = {"data": torch.uint8, "scale": torch.float8_e4m3fn, "global_scale": torch.float32}
@@ -213,6 +230,9 @@ def arena_bytes(expected: dict[str, tuple[str, tuple]]) -> int:
 # -- the checks both receive paths share (the stream here, the shared-memory arena in shared_weights.py) --
 def check_begin(version: int, num_tensors: int, expected: dict, serving: int) -> None:
     """A push's header against the serving version and the model."""
+    if version > MAX_VERSION:
+        raise WeightError(f"weight version {version} is above the largest accepted version 2^53 = {MAX_VERSION} "
+                          "(versions count pushes: a larger one is a bug or a forged push)")
     if version <= serving:
         raise StalePush(f"stale weight version {version}: serving version {serving}")
     if num_tensors != len(expected):
@@ -243,31 +263,55 @@ def check_part(name: str, fmt: str, allowed: dict, part: str, part_shape: tuple,
     return _part_dtype(fmt, part)
 
 
-def _has_nan_scale(scale: torch.Tensor) -> bool:
-    """Any e4m3fn NaN (S.1111.111)? On the CPU in numpy: one pass on one thread (torch's elementwise ops
-    wake its thread pool for every small tensor, which dominates a push on a busy small host)."""
+def _scale_codes(scale: torch.Tensor) -> tuple[bool, int]:
+    """(any e4m3fn NaN (S.1111.111)?, the largest magnitude code) of block scales, in one pass over the
+    magnitude bits (e4m3 magnitudes order as their codes). On the CPU in numpy on one thread (torch's
+    elementwise ops wake its thread pool for every small tensor, which dominates a push on a busy small host)."""
+    if not scale.numel():
+        return False, 0
     if scale.device.type == "cpu":
-        codes = scale.reshape(-1).view(torch.uint8).numpy()
-        return bool(((codes & 0x7F) == 0x7F).any())
-    return bool(((scale.view(torch.uint8) & 0x7F) == 0x7F).any())
+        mag = scale.reshape(-1).view(torch.uint8).numpy() & 0x7F
+        return bool((mag == 0x7F).any()), int(mag.max())
+    mag = scale.reshape(-1).view(torch.uint8) & 0x7F
+    return bool((mag == 0x7F).any()), int(mag.max())
+
+
+def _e4m3(code: int) -> float:
+    return float(torch.tensor([code], dtype=torch.uint8).view(torch.float8_e4m3fn).float())
+
+
+def _too_large(name: str, amax: float, what: str) -> WeightError:
+    return WeightError(f"{name}: values up to {amax:.3g} {what}, above the limit {MAX_ABS_WEIGHT:g} "
+                       "(a corrupt or runaway weight; the serving weights are kept)")
 
 
 def assemble(name: str, fmt: str, shape: tuple, got: dict[str, torch.Tensor]):
     """The received parts (typed and shaped, views into the receiver's own memory) -> the weight, after
-    the value checks: NVFP4 global scales finite and > 0, no NaN block scale; plain tensors finite."""
+    the value checks: NVFP4 global scales finite and > 0, no NaN block scale, and the largest value the
+    tensor can dequantize to (6 * largest block scale * largest global scale) at most MAX_ABS_WEIGHT;
+    plain tensors finite and within +-MAX_ABS_WEIGHT."""
     if fmt == "nvfp4":
         gs = got["global_scale"]
         if not bool(torch.isfinite(gs).all()) or not bool((gs > 0).all()):
             raise WeightError(f"{name}: global scale must be finite and > 0")
-        if _has_nan_scale(got["scale"]):
+        nan, top = _scale_codes(got["scale"])
+        if nan:
             raise WeightError(f"{name}: NaN block scale")
+        gmax = float(gs.max()) if gs.numel() else 0.0
+        amax = 6.0 * _e4m3(top) * gmax  # (a Python float: no overflow where float32 would give inf)
+        if not math.isfinite(amax) or amax > MAX_ABS_WEIGHT:
+            raise _too_large(name, amax, f"(global scale {gmax:.3g} x block scale {_e4m3(top):g} x 6)")
         try:
             return NVFP4Tensor(got["data"], got["scale"], gs, shape)
         except ValueError as e:
             raise WeightError(f"{name}: {e}") from None
     t = got["data"]
-    if t.numel() and not all(bool(torch.isfinite(v)) for v in torch.aminmax(t)):  # NaN/Inf reach min or max
-        raise WeightError(f"{name}: contains NaN or Inf")
+    if t.numel():
+        lo, hi = (float(v) for v in torch.aminmax(t))  # NaN/Inf reach min or max
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            raise WeightError(f"{name}: contains NaN or Inf")
+        if max(-lo, hi) > MAX_ABS_WEIGHT:
+            raise _too_large(name, max(-lo, hi), "in magnitude")
     return t
 
 
@@ -275,6 +319,37 @@ def check_complete(expected: dict, tensors: dict) -> None:
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise WeightError(f"{len(missing)} tensor(s) missing or incomplete, e.g. {missing[0]!r}")
+
+
+def idle_guarded(request_iterator, context, idle_s: float = PUSH_IDLE_TIMEOUT_S):
+    """The messages of a server-side request stream; when none arrives for `idle_s` seconds, the call is
+    cancelled (a watchdog thread: a blocked read cannot be interrupted otherwise) and the iteration raises
+    WeightError("no message for N s ..."), so the handler refuses the push and releases what it holds (the
+    update lock, the arena). The watchdog ends with the stream or the call."""
+    last = [time.monotonic()]
+    fired = threading.Event()
+    done = threading.Event()
+
+    def watch():
+        while not done.wait(min(1.0, idle_s / 4)):
+            if not context.is_active():
+                return
+            if time.monotonic() - last[0] > idle_s:
+                fired.set()
+                context.cancel()
+                return
+
+    threading.Thread(target=watch, name="push-idle-watchdog", daemon=True).start()
+    try:
+        for msg in request_iterator:
+            last[0] = time.monotonic()
+            yield msg
+    except Exception:  # grpc.RpcError: the call was cancelled (by the watchdog, or the client went away)
+        if fired.is_set():
+            raise WeightError(f"no message for {idle_s:g} s: the push stalled and was abandoned") from None
+        raise
+    finally:
+        done.set()
 
 
 class WeightAssembler:

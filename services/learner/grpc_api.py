@@ -1,4 +1,7 @@
-"""minite.v1.LearnerService over gRPC: SubmitTrajectories (needs the token), Score, Status."""
+"""minite.v1.LearnerService over gRPC: SubmitTrajectories, Score and ScoreBatch (each needs the token when
+one is configured: scoring runs on the training loop's engine and lock, as REST's /v1/score), Status.
+A ScoreBatch holds at most MAX_SCORE_BATCH sequences (a bounded share of the learner; it is scored a
+row group at a time, the training step first: runtime.ScoringTurn)."""
 from __future__ import annotations
 
 import grpc
@@ -8,8 +11,10 @@ from minite.v1 import learner_pb2_grpc as pb_grpc
 
 from .runtime import LearnerRuntime, StaleVersion, UnknownVersion
 
-PROTECTED = {"/minite.v1.LearnerService/SubmitTrajectories"}
+PROTECTED = {"/minite.v1.LearnerService/SubmitTrajectories", "/minite.v1.LearnerService/Score",
+             "/minite.v1.LearnerService/ScoreBatch"}
 MAX_TRAJECTORIES = 4096  # per call: bounded memory (each is also bounded by the model's context)
+MAX_SCORE_BATCH = 256  # sequences per ScoreBatch: 4 row groups of SCORE_BATCH; more calls for more
 
 
 class LearnerServicer(pb_grpc.LearnerServiceServicer):
@@ -46,8 +51,9 @@ class LearnerServicer(pb_grpc.LearnerServiceServicer):
         return pb.ScoreResponse(logprobs=lps, weight_version=version)
 
     def ScoreBatch(self, request, context):
-        if len(request.items) > MAX_TRAJECTORIES:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(request.items)} items: at most {MAX_TRAJECTORIES} per call")
+        if len(request.items) > MAX_SCORE_BATCH:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(request.items)} items: at most {MAX_SCORE_BATCH} "
+                          "per ScoreBatch call (split the batch)")
         if not request.items:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no items to score")
         try:

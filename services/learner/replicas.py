@@ -15,6 +15,14 @@ unavailable" (another host, another container, a GPU it does not see) or does no
 streamed to instead, from then on (logged once). The others get the gRPC stream; with several of them
 the chunks are framed once per version and every stream sends the same frames (weights.SharedFrames:
 memory bounded by a window of chunks, not by N).
+
+Versions: the learner pushes above the highest version a replica serves (a restarted learner must not push
+"stale" versions), but only from plausible ones: a replica that reports a version at or above MAX_VERSION
+(2^53, the largest a replica accepts; only an older or forged replica can be there) could never take a newer
+push, and following it would overflow the learner's version. Such a replica is reported broken (Status,
+the log) and left out of generation, of the version floor and of pushes; the others go on, and with none
+left the learner waits and reports (ReplicaError) rather than jumping its version. It is taken back once it
+reports a sane version again (restarted).
 """
 from __future__ import annotations
 
@@ -35,7 +43,7 @@ from minite_core.engine import Completion, SamplingParams
 
 from ..common import rpc
 from ..common.shared_weights import UNAVAILABLE, Arena
-from ..common.weights import SharedFrames, encode_update, raw_update_call
+from ..common.weights import MAX_VERSION, SharedFrames, encode_update, raw_update_call
 
 log = logging.getLogger("minite.learner")
 MAX_IN_FLIGHT = 8  # Generate calls per replica at once
@@ -85,6 +93,7 @@ class Replica:
         self.shared = mode == "shared" or (mode == "auto" and is_local(address))  # try the shared arena
         self.version = None  # the version this replica was last seen to serve
         self.healthy = True
+        self.broken = None  # why the learner cannot use it (an absurd weight version), or None
         self.slots = threading.BoundedSemaphore(MAX_IN_FLIGHT)
 
 
@@ -138,14 +147,31 @@ class RemoteRollout:
                         raise
                     time.sleep(0.1)
 
+    def _sane(self, rep: Replica, v: int) -> bool:
+        """Is `v` a version this replica can serve and still take a newer one? Else mark it broken (logged once)."""
+        if v < MAX_VERSION:
+            if rep.broken:
+                log.info("rollout %s reports version %d again: no longer broken", rep.address, v)
+            rep.broken = None
+            return True
+        if rep.broken is None:
+            log.error("rollout %s serves weight version %d, at or above the largest valid version %d: it can take no "
+                      "newer push; left out until it is restarted", rep.address, v, MAX_VERSION)
+        rep.broken = f"serves weight version {v}, at or above the largest valid {MAX_VERSION}: restart it"
+        rep.healthy = False
+        return False
+
     def version_floor(self) -> int:
-        """The highest version any replica serves (0 when none answers)."""
+        """The highest version any replica serves (0 when none answers); replicas serving an absurd version
+        (>= MAX_VERSION) are left out (and reported broken): following them would overflow the version."""
         floor = 0
         for rep in self.replicas:
             try:
-                floor = max(floor, rep.stub.GetWeightVersion(pb.GetWeightVersionRequest(), timeout=5).version)
+                v = rep.stub.GetWeightVersion(pb.GetWeightVersionRequest(), timeout=5).version
             except grpc.RpcError:
-                pass
+                continue
+            if self._sane(rep, v):
+                floor = max(floor, v)
         return floor
 
     def live(self) -> list[Replica]:
@@ -158,6 +184,8 @@ class RemoteRollout:
                 if rep.healthy:
                     log.warning("rollout %s is not answering (%s)", rep.address, e.code().name)
                 rep.healthy = False
+                continue
+            if not self._sane(rep, v):
                 continue
             if v > self.version:  # newer than ours: another learner pushed; sampling here would be off-policy
                 log.warning("rollout %s serves version %d, newer than the learner's %d: skipped", rep.address, v, self.version)
@@ -179,7 +207,8 @@ class RemoteRollout:
         if not live and newer:
             raise NewerVersion(f"rollout replicas serve a newer weight version than the learner's {self.version}")
         if not live:
-            raise ReplicaError("no rollout replica is reachable: " + ", ".join(r.address for r in self.replicas))
+            raise ReplicaError("no rollout replica is reachable: " + ", ".join(
+                r.address + (f" ({r.broken})" if r.broken else "") for r in self.replicas))
         return live
 
     # -- weights --------------------------------------------------------------------------------
@@ -236,12 +265,13 @@ class RemoteRollout:
             while len(self.history) > self.keep_versions:
                 self.history.popitem(last=False)
         with self.sync_lock:
-            streamed = [rep for rep in self.replicas if not rep.shared]
+            targets = [rep for rep in self.replicas if not rep.broken]  # (a broken one would refuse it as stale)
+            streamed = [rep for rep in targets if not rep.shared]
             frames = None
             if len(streamed) > 1:  # frame the chunks once; every stream sends the same bytes
                 frames = SharedFrames(encode_update(snapshot, version, chunk_bytes=self.chunk_bytes, raw=True), len(streamed))
             futs = {}
-            for rep in self.replicas:
+            for rep in targets:
                 i = streamed.index(rep) if rep in streamed else 0
                 futs[self.pool.submit(self._push_streamed, rep, snapshot, version,
                                       frames if rep in streamed else None, i)] = rep
@@ -258,4 +288,5 @@ class RemoteRollout:
             log.warning("weight version %d reached no rollout replica; will re-push when one answers", version)
 
     def status(self) -> list[str]:
-        return [f"{r.address} ({'up' if r.healthy else 'down'}, version {r.version})" for r in self.replicas]
+        return [f"{r.address} ({'broken: ' + r.broken if r.broken else 'up' if r.healthy else 'down'}, version {r.version})"
+                for r in self.replicas]

@@ -7,6 +7,10 @@ learner engine, records every token's drift, takes a GRPO step and pushes the re
 NVFP4 weights to every replica. A replica that is down makes the step wait and retry (reported in
 Status and the log), never crash. Score and SubmitTrajectories use the same learner engine under the
 same lock as the step, so they see one weight version at a time.
+
+Fair share: scoring holds the lock SCORE_BATCH rows at a time, not for a whole batch, and a row group waits
+while the training loop is waiting for the lock (`ScoringTurn`): a step waits for at most the row group in
+progress of each scoring call, and every scoring call still gets a row group between two steps.
 """
 from __future__ import annotations
 
@@ -37,16 +41,45 @@ class UnknownVersion(LookupError):
     """A weight version the learner no longer keeps (or never had)."""
 
 
-class _LockedTrainer(Trainer):
-    """A Trainer whose steps hold the runtime's lock (Score and SubmitTrajectories run between steps)."""
+class ScoringTurn:
+    """Training first: `training()` marks the loop as waiting for the lock while it acquires it; `scoring()`
+    waits until no training step is waiting, then takes the lock (for one row group)."""
 
-    def __init__(self, cfg, rollout, lock):
+    def __init__(self, lock):
         self.lock = lock
+        self.cond = threading.Condition()
+        self.training_waits = 0
+
+    def acquire_for_training(self) -> None:
+        with self.cond:
+            self.training_waits += 1
+        try:
+            self.lock.acquire()
+        finally:
+            with self.cond:
+                self.training_waits -= 1
+                self.cond.notify_all()
+
+    def acquire_for_scoring(self) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: not self.training_waits)
+        self.lock.acquire()
+
+
+class _LockedTrainer(Trainer):
+    """A Trainer whose steps hold the runtime's lock (Score and SubmitTrajectories run between steps),
+    taken ahead of scoring calls (ScoringTurn)."""
+
+    def __init__(self, cfg, rollout, lock, turn: ScoringTurn):
+        self.lock, self.turn = lock, turn
         super().__init__(cfg, rollout)
 
     def step(self) -> dict:
-        with self.lock:
+        self.turn.acquire_for_training()
+        try:
             return super().step()
+        finally:
+            self.lock.release()
 
 
 class LearnerRuntime:
@@ -55,8 +88,9 @@ class LearnerRuntime:
         self.metrics = metrics or LearnerMetrics()
         self.cfg = settings  # (a RunConfig: the run's knobs, read by `minite train` the same way)
         self.rollout = RemoteRollout(settings.rollout, settings, self.metrics)
-        self.lock = threading.RLock()  # one of: a GRPO step, a Score, a SubmitTrajectories batch
-        self.trainer = _LockedTrainer(self.cfg, self.rollout, self.lock)
+        self.lock = threading.RLock()  # one of: a GRPO step, a Score row group, a SubmitTrajectories batch
+        self.turn = ScoringTurn(self.lock)
+        self.trainer = _LockedTrainer(self.cfg, self.rollout, self.lock, self.turn)
         self.metrics.weight_version.set(self.trainer.version)
         self.last = {}
         self.last_error = ""
@@ -185,23 +219,37 @@ class LearnerRuntime:
             except ValueError as e:
                 raise ValueError(f"item {i}: {e}" if len(items) > 1 else str(e)) from None
         out: list = [None] * len(items)
-        with self.lock, torch.no_grad():
+        self.turn.acquire_for_scoring()  # (held on for the first row group)
+        try:  # resolve every item's version once, so a step between two row groups changes nothing
             current = self.trainer.version
             groups: dict = {}
             for i, (_, _, temperature, version) in enumerate(items):
                 groups.setdefault((version if version not in (0, current) else current, temperature or 1.0), []).append(i)
-            policy, serving = self.trainer.policy, self.trainer.policy.w
-            try:
-                for (version, temperature), idx in groups.items():
-                    policy.w = serving if version == current else self._kept(version)
-                    for k in range(0, len(idx), SCORE_BATCH):
-                        part = idx[k:k + SCORE_BATCH]
-                        lps = self.trainer.learner.batch_logprobs([items[i][0] for i in part], [items[i][1] for i in part],
-                                                                  temperature)
-                        for i, lp in zip(part, lps):
-                            out[i] = (lp.tolist(), version)
-            finally:
-                policy.w = serving
+            # (a step replaces the policy's tensors, never writes into them: this dict stays version `current`)
+            weights = {v: dict(self.trainer.policy.w) if v == current else self._kept(v) for v, _ in groups}
+        except BaseException:
+            self.lock.release()
+            raise
+        first = True
+        for (version, temperature), idx in groups.items():
+            for k in range(0, len(idx), SCORE_BATCH):
+                part = idx[k:k + SCORE_BATCH]
+                if not first:  # one row group per turn: a waiting training step goes first
+                    self.turn.acquire_for_scoring()
+                first = False
+                try:
+                    with torch.no_grad():
+                        policy = self.trainer.policy
+                        serving, policy.w = policy.w, weights[version]
+                        try:
+                            lps = self.trainer.learner.batch_logprobs([items[i][0] for i in part],
+                                                                      [items[i][1] for i in part], temperature)
+                        finally:
+                            policy.w = serving
+                finally:
+                    self.lock.release()
+                for i, lp in zip(part, lps):
+                    out[i] = (lp.tolist(), version)
         return out
 
     def _kept(self, version: int) -> dict:

@@ -8,6 +8,10 @@ services/common/shared_weights.py) answers like UpdateWeights, plus FAILED_PRECO
 sync unavailable: ..." when it cannot open the learner's arena (the learner then streams). Deadlines: a request whose deadline passes is cancelled in the
 engine (its KV-cache slot freed) and ends DEADLINE_EXCEEDED; so does a client that goes away.
 
+Bounds (rest.InputBounds, as REST): a `text` longer than could fit the context (in characters), `prompt_ids`
+longer than the context and more than --max-stop-token-ids `stop_token_ids` are refused (INVALID_ARGUMENT)
+before any work; the message size is bounded by --max-message-mb.
+
 Prompts and stopping: a `text` prompt is encoded by the model's tokenizer (`minite_core.tokenizer`, with its
 special tokens, as REST's /v1/completions); generation stops only on the request's `stop_token_ids` (the
 learner sends the model's eos ids itself; unlike REST, which adds them unless `ignore_eos`).
@@ -27,6 +31,7 @@ from minite_core.engine import SamplingParams
 
 from ..common.shared_weights import UNAVAILABLE, SharedUnavailable, receive_shared
 from ..common.weights import StalePush, WeightAssembler, WeightError
+from .rest import InputBounds
 from .runtime import Overloaded, RolloutRuntime
 
 log = logging.getLogger("minite.rollout")
@@ -56,12 +61,22 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     def __init__(self, runtime: RolloutRuntime):
         self.rt = runtime
         self.update_lock = threading.Lock()  # one weight push at a time
+        self.bounds = InputBounds(runtime.settings, runtime.tokenizer, runtime.context)
 
     def _prompt(self, request, context) -> list[int]:
         if request.model and request.model != self.rt.settings.model_name:
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {request.model!r}; this service serves "
                           f"{self.rt.settings.model_name!r}")
         which = request.WhichOneof("prompt")
+        try:  # sizes first: nothing is copied or tokenized before they are known to be bounded
+            self.bounds.stops(len(request.params.stop_token_ids))
+            if which == "prompt_ids":
+                self.bounds.prompt_ids(len(request.prompt_ids.ids))
+            elif which == "text":
+                self.bounds.text(len(request.text))
+        except ValueError as e:
+            self.rt.metrics.requests.labels("grpc", "error").inc()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if which == "prompt_ids":
             return list(request.prompt_ids.ids)
         if which == "text":
@@ -136,7 +151,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             on_cpu = self.rt.engine.model.device.type == "cpu"  # (on a GPU the arena is only a staging buffer)
             asm = WeightAssembler(self.rt.expected, self.rt.version, arena_pool=self.rt.take_arena if on_cpu else None)
             try:
-                for msg in request_iterator:
+                for msg in self.rt.push_messages(request_iterator, context):
                     if msg.WhichOneof("kind") == "begin" and msg.begin.mode not in MODES:
                         raise WeightError(f"unknown update mode {msg.begin.mode} (modes: {sorted(MODES)})")
                     asm.feed(msg)

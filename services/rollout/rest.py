@@ -5,8 +5,9 @@ n, stop, plus vLLM's top_k and stop_token_ids), GET /v1/models, GET /v1/weight_v
 GET /metrics (Prometheus), the OpenAPI schema at /openapi.json. Every response carries the token ids
 of the prompt and of each completion (as vLLM's `return_token_ids`) and the weight version used (as
 SGLang's `weight_version`). Errors are OpenAI-shaped: {"error": {"message", "type", "code"}} with 400
-(bad request), 404 (unknown model or path), 405 (wrong method), 415 (a body that is not JSON), 429 (queue
-full), 503 (shutting down); the OpenAPI schema lists them (and no 422: validation errors are 400).
+(bad request), 404 (unknown model or path), 405 (wrong method), 413 (a body over --max-body-mb), 415 (a
+body that is not JSON), 429 (queue full), 503 (shutting down); the OpenAPI schema lists them (and no 422:
+validation errors are 400).
 Request bodies are validated strictly: a field of the wrong JSON type ("3" for an integer, 1 for a
 boolean) is refused, not coerced.
 
@@ -17,6 +18,15 @@ true) and vLLM's `chat_template_kwargs` (e.g. {"enable_thinking": false}), so it
 `Tokenizer.apply_chat_template` (the learner's) and transformers'; a template that fails to render is a 400
 naming the template file. A model whose tokenizer has no chat template (the built-in tiny model) gets its
 messages' contents concatenated, in order.
+
+Bounds: what a request costs is bounded before any work is done on it, since one unbounded request could
+take the whole replica (a 10 MB text prompt used to be read, parsed and tokenized into 4 GB). The body is
+limited (--max-body-mb; 413, refused from its Content-Length before it is read, or once a chunked body
+passes it); a text prompt (/v1/completions' prompt, the messages' contents of /v1/chat/completions, gRPC's
+`text`) may have at most as many characters as could fit the context (InputBounds), checked before it is
+tokenized; a token-id prompt longer than the context is refused before its ids are looked at; `stop` and
+`stop_token_ids` are bounded (--max-stop, --max-stop-chars, --max-stop-token-ids). Tokenizing and
+rendering the chat template run on a worker thread, so /health and the other requests keep being answered.
 
 Stopping. As vLLM: generation stops on the model's eos ids (generation_config.json's eos_token_id, else
 config.json's, else the tokenizer's eos_token) and on `stop_token_ids` / `stop` strings; `ignore_eos: true`
@@ -41,7 +51,7 @@ from minite_core.engine import SamplingParams
 from minite_core.engine.rollout import MAX_TEMPERATURE, MIN_TEMPERATURE
 from minite_core.tokenizer import ChatTemplateError
 
-from ..common.http import is_json, strip_422
+from ..common.http import MIB, BodyLimit, is_json, strip_422
 from ..common.metrics import add_metrics_route
 from .runtime import Overloaded, RolloutRuntime
 
@@ -68,11 +78,56 @@ class ErrorBody(BaseModel):
 def _errors(*statuses: int) -> dict:
     """OpenAPI `responses` for these error statuses (the body every error has)."""
     what = {400: "bad request (the message says which field and why)", 404: "unknown model",
-            415: "the body is not JSON", 429: "the queue is full: retry later", 503: "shutting down"}
+            413: "the body is larger than --max-body-mb", 415: "the body is not JSON",
+            429: "the queue is full: retry later", 503: "shutting down"}
     return {s: {"model": ErrorBody, "description": what[s]} for s in statuses}
 
 
 INT64 = 2**63
+
+# -- input bounds (REST and gRPC): refused by size before any work ------------------------------------------
+CHAR_SLACK = 2  # characters per token beyond the longest token's: normalizers that compose ("e" + U+0301 -> "é")
+
+
+class InputBounds:
+    """The size limits a request meets before any work is done on it; each check raises ValueError naming
+    the field, its size and the limit.
+
+    Text prompts: the tokenizers of generative models are lossless (byte-level BPE, SentencePiece with
+    byte fallback, the tiny model's characters): every character of a text ends up in some token, and a
+    token covers at most as many characters as its vocabulary string has (byte-level BPE writes one
+    character per byte, and a character is at least one byte; added tokens are their own text). So a text
+    that fits the context has at most context x (the longest vocabulary string) characters; CHAR_SLACK
+    doubles that for normalizers that compose characters (Qwen's NFC). A longer text can never be served,
+    and tokenizing it first cost ~400 bytes of memory per character (a 10 MB prompt: 4 GB), in a call that
+    cannot be interrupted: it is refused on its length alone."""
+
+    def __init__(self, settings, tokenizer, context: int):
+        self.settings, self.context = settings, context
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1) if tokenizer is not None else 1
+        self.chars_per_token = CHAR_SLACK * max(longest, 1)
+        self.text_chars = context * self.chars_per_token
+
+    def text(self, chars: int, what: str = "the prompt text") -> None:
+        if chars > self.text_chars:
+            raise ValueError(f"{what}: {chars} characters, more than the {self.text_chars} that could fit the "
+                             f"context of {self.context} tokens (at most {self.chars_per_token} characters per token "
+                             "with this tokenizer)")
+
+    def prompt_ids(self, n: int) -> None:
+        if n > self.context:
+            raise ValueError(f"the prompt has {n} token ids: more than the context of {self.context} tokens")
+
+    def stops(self, n_ids: int, stops=()) -> None:
+        s = self.settings
+        if n_ids > s.max_stop_token_ids:
+            raise ValueError(f"stop_token_ids has {n_ids} ids: at most {s.max_stop_token_ids} (--max-stop-token-ids)")
+        if len(stops) > s.max_stop:
+            raise ValueError(f"stop has {len(stops)} strings: at most {s.max_stop} (--max-stop)")
+        for i, x in enumerate(stops):
+            if len(x) > s.max_stop_chars:
+                raise ValueError(f"stop string {i} has {len(x)} characters: at most {s.max_stop_chars} "
+                                 "(--max-stop-chars)")
 
 
 class _Sampling(BaseModel):
@@ -148,6 +203,9 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
                   "and weight versions (minite.v1.RolloutService over REST).")
     add_metrics_route(app, rt.metrics.registry)
     name = rt.settings.model_name
+    bounds = InputBounds(rt.settings, rt.tokenizer, rt.context)
+    app.add_middleware(BodyLimit, limit=int(rt.settings.max_body_mb * MIB), setting="--max-body-mb",
+                       error=lambda status, message: _error(status, message, "invalid_request_error"))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
@@ -166,7 +224,21 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        return _error(exc.status_code, str(exc.detail), "not_found_error" if exc.status_code == 404 else "http_error")
+        code = {404: "not_found_error", 413: "invalid_request_error"}.get(exc.status_code, "http_error")
+        return _error(exc.status_code, str(exc.detail), code)
+
+    def bounded(body: _Sampling, text_chars: int | None = None, n_ids: int | None = None) -> None:
+        """The request's sizes within InputBounds (400 otherwise), checked before any tokenizing."""
+        stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+        try:
+            bounds.stops(len(body.stop_token_ids or ()), stops)
+            if text_chars is not None:
+                bounds.text(text_chars, "the prompt text" if isinstance(body, CompletionRequest) else
+                            "the messages' contents")
+            if n_ids is not None:
+                bounds.prompt_ids(n_ids)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
 
     def tokens_of(prompt) -> list[int]:
         if isinstance(prompt, list):
@@ -292,11 +364,16 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
         return {"id": f"{prefix}-{uuid.uuid4().hex[:16]}", "object": obj, "created": int(time.time()), "model": name,
                 "choices": choices, "usage": usage(req), "prompt_token_ids": prompt, "weight_version": req.version}
 
-    @app.post("/v1/completions", responses={**STREAM, **_errors(400, 404, 415, 429, 503)})
+    @app.post("/v1/completions", responses={**STREAM, **_errors(400, 404, 413, 415, 429, 503)})
     async def completions(body: CompletionRequest, request: Request):
         if isinstance(body.prompt, str) and not body.prompt:
             raise ApiError(400, "prompt is empty")
-        prompt = tokens_of(body.prompt)
+        if isinstance(body.prompt, str):
+            bounded(body, text_chars=len(body.prompt))
+            prompt = await asyncio.to_thread(tokens_of, body.prompt)  # off the event loop: /health keeps answering
+        else:
+            bounded(body, n_ids=len(body.prompt))
+            prompt = body.prompt
         req = await serve("cmpl", body, prompt, request)
         if isinstance(req, StreamingResponse):
             return req
@@ -313,11 +390,12 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
             choices.append(choice)
         return envelope("text_completion", "cmpl", choices, req, prompt)
 
-    @app.post("/v1/chat/completions", responses={**STREAM, **_errors(400, 404, 415, 429, 503)})
+    @app.post("/v1/chat/completions", responses={**STREAM, **_errors(400, 404, 413, 415, 429, 503)})
     async def chat(body: ChatRequest, request: Request):
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-        prompt = chat_prompt(body)
+        bounded(body, text_chars=sum(len(m.content) for m in body.messages))
+        prompt = await asyncio.to_thread(chat_prompt, body)  # off the event loop: /health keeps answering
         if not prompt:
             raise ApiError(400, "the messages have no content")
         req = await serve("chat", body, prompt, request)

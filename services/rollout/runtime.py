@@ -23,7 +23,7 @@ from minite_core.engine import RolloutEngine, SamplingParams
 from minite_core.model import load_model
 
 from ..common.metrics import RolloutMetrics
-from ..common.weights import describe
+from ..common.weights import describe, idle_guarded
 
 log = logging.getLogger("minite.rollout")
 
@@ -52,6 +52,7 @@ class RolloutRuntime:
         self.metrics.weight_version.set(0)
         self.serving_arena = None  # the memory the serving weights live in (after the first push)
         self.retired: list[tuple[int, torch.Tensor]] = []  # (version, arena) of replaced weight sets
+        self.push_idle_timeout = settings.push_idle_timeout  # a stalled push is abandoned after it (its lock freed)
         self.thread.start()
 
     @contextlib.contextmanager
@@ -209,6 +210,10 @@ class RolloutRuntime:
             with self.locked():
                 self.retired.append((-1, arena))
 
+    def push_messages(self, request_iterator, context):
+        """An UpdateWeights call's messages, abandoned (WeightError) after push_idle_timeout s without one."""
+        return idle_guarded(request_iterator, context, self.push_idle_timeout)
+
     def update_weights(self, weights: dict, version: int, abort_in_flight: bool, arena=None) -> int:
         with self.locked():
             old_version = self.engine.weight_version
@@ -226,7 +231,7 @@ class RolloutRuntime:
         e = self.engine
         self.metrics.running.set(len(e.running))
         self.metrics.waiting.set(len(e.waiting))
-        self.metrics.kv_usage.set(1.0 - len(e.free) / e.cache.slots)
+        self.metrics.kv_usage.set(1.0 - len(e.free) / self.settings.max_slots)  # (not the engine's scratch row)
 
     def _loop(self) -> None:
         with self.lock:

@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from services.common.rpc import token_ok
-from tests.service_helpers import Proc, free_port, report
+from tests.service_helpers import free_port, report
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "operator-safety-token-1f3a"
