@@ -42,6 +42,12 @@ class _Common(BaseSettings):
     tls_ca: Path | None = Field(None, description="CA bundle that clients use to verify peers (learner -> rollout)")
     max_message_mb: int = Field(8, ge=5, le=64, description="gRPC message size limit, MiB, both directions "
                                                             "(above the 4 MiB largest weight chunk)")
+    http_header_timeout: float = Field(10.0, gt=0, le=600, description="HTTP: seconds a connection has to send a "
+                                       "complete request head (slowloris clients are closed at it)")
+    http_body_timeout: float = Field(30.0, gt=0, le=3600, description="HTTP: most seconds between two reads of a "
+                                     "request body (a lying Content-Length is closed at it)")
+    http_keep_alive: float = Field(5.0, gt=0, le=3600, description="HTTP: idle keep-alive connections are closed "
+                                   "after this many seconds")
     log_level: str = Field("info", description="debug, info, warning or error")
     drain_timeout: float = Field(20.0, ge=0, le=3600, description="on SIGTERM/SIGINT: seconds the work in flight "
                                  "(requests; the learner's step) gets to finish before it is cut; keep it below the "
