@@ -38,7 +38,7 @@ test: setup
 test-reliability: setup  ## the reliability and security scenarios alone (also part of `make test`), figures printed
 	$(PY) -m pytest -q -s tests/test_reliability_serving.py tests/test_reliability_learner.py tests/test_bad_input.py \
 		tests/serve/test_operator_safety.py tests/serve/test_input_bounds.py tests/serve/test_weight_push_bounds.py \
-		tests/serve/test_http_timeouts.py
+		tests/serve/test_http_timeouts.py tests/serve/test_model_limits.py
 
 test-interpreter: setup  ## only the Triton kernels, on the CPU under TRITON_INTERPRET=1
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m interpreter

@@ -178,6 +178,8 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     out: dict[str, torch.Tensor] = {}
     for f in files:
+        if not (path / f).is_file():  # (a FIFO or a device would block or stream forever: refuse it)
+            raise ValueError(f"{path / f} is not a regular file")
         out.update(load_file(str(path / f)))
     return out
 

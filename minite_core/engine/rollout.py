@@ -127,6 +127,32 @@ class Request:
                            q.finish, self.version, self.index, q.sample_index) for q in self.seqs]
 
 
+def _available_bytes(device: torch.device) -> int | None:
+    """Memory a new allocation can take on `device` (free GPU memory; MemAvailable on the host); None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_cache_fits(model: Qwen3, rows: int, seq: int) -> None:
+    """ValueError with the figures when the KV cache (rows x seq positions, K and V of every layer) would not
+    fit in the memory left: refused before allocating, not killed by the OOM killer after."""
+    c = model.cfg
+    need = 2 * c.num_hidden_layers * rows * seq * c.num_key_value_heads * c.head_dim * model.dtype.itemsize
+    have = _available_bytes(model.device)
+    if have is not None and need > 0.9 * have:
+        raise ValueError(f"the KV cache needs {need / 2**30:.1f} GiB ({rows - 1} slots x {seq} tokens x "
+                         f"{c.num_hidden_layers} layers x {c.num_key_value_heads} KV heads x {c.head_dim} x 2 x "
+                         f"{model.dtype.itemsize} bytes), more than the {have / 2**30:.1f} GiB available on "
+                         f"{model.device}: lower max_slots or max_seq_len")
+
+
 class RolloutEngine:
     PREFILL_TOKENS = 16384  # at most this many (padded) prompt tokens per prefill forward
 
@@ -136,6 +162,10 @@ class RolloutEngine:
         self.max_seq_len = max_seq_len or min(model.cfg.max_position_embeddings, 4096)
         if max_slots < 1 or self.max_seq_len < 2:
             raise ValueError("max_slots must be >= 1 and max_seq_len >= 2")
+        if self.max_seq_len > model.cfg.max_position_embeddings:
+            raise ValueError(f"max_seq_len {self.max_seq_len} is longer than the model's context "
+                             f"(max_position_embeddings {model.cfg.max_position_embeddings})")
+        _check_cache_fits(model, max_slots + 1, self.max_seq_len)
         # one cache row more than slots: the scratch row the padding rows of a graph bucket write to
         self.cache = KVCache(model.cfg, max_slots + 1, self.max_seq_len, model.dtype, model.device)
         capturable = graph_capturable(model)

@@ -14,6 +14,7 @@ its batch mates, and a decode step over a KV cache gives the bits of the full-se
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -23,6 +24,37 @@ from ..nvfp4 import NVFP4Tensor
 from ..reduce import tree_sum
 
 ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
+# config.json keys: (lowest, highest) allowed. The bounds are far beyond any Qwen3 (235B: 94 layers, 151,936
+# tokens, 128 experts) and keep a typo such as num_hidden_layers = 1e9 from allocating before it is caught.
+_INT_BOUNDS = {"vocab_size": (1, 1 << 24), "hidden_size": (1, 1 << 16), "intermediate_size": (1, 1 << 20),
+               "num_hidden_layers": (1, 1024), "num_attention_heads": (1, 1024), "num_key_value_heads": (1, 1024),
+               "head_dim": (1, 1024), "max_position_embeddings": (2, 1 << 24), "num_experts": (0, 4096),
+               "num_local_experts": (0, 4096), "num_experts_per_tok": (0, 4096), "moe_intermediate_size": (0, 1 << 20),
+               "decoder_sparse_step": (1, 1024)}
+
+
+def _check_types(cfg: dict, rope: dict) -> None:
+    """ValueError naming the config.json key whose value has the wrong type or lies outside its range."""
+    for key, (lo, hi) in _INT_BOUNDS.items():
+        v = cfg.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"config.json: {key} must be an integer, got {v!r}")
+        if not lo <= v <= hi:
+            raise ValueError(f"config.json: {key} = {v} is outside [{lo}, {hi}]")
+    for key, v in (("rms_norm_eps", cfg.get("rms_norm_eps")), ("rope_theta", rope.get("rope_theta", cfg.get("rope_theta")))):
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"config.json: {key} must be a finite positive number, got {v!r}")
+    if cfg.get("rms_norm_eps") is not None and cfg["rms_norm_eps"] >= 1:
+        raise ValueError(f"config.json: rms_norm_eps = {cfg['rms_norm_eps']} is not a small epsilon (< 1)")
+    for key in ("tie_word_embeddings", "attention_bias", "norm_topk_prob"):
+        if key in cfg and not isinstance(cfg[key], bool):
+            raise ValueError(f"config.json: {key} must be true or false, got {cfg[key]!r}")
 
 
 @dataclasses.dataclass
@@ -59,6 +91,7 @@ class Qwen3Config:
             raise ValueError("only the default RoPE is supported (no rope scaling)")
         if cfg.get("use_sliding_window"):
             raise ValueError("sliding-window attention is not supported")
+        _check_types(cfg, rope)
         try:
             heads = cfg["num_attention_heads"]
             out = cls(
