@@ -1,6 +1,8 @@
 """The rollout engine: token-by-token sampling with a slot KV cache and continuous batching.
 
-Requests wait in a queue; whenever a KV-cache slot is free, the next sequence joins: its prompt is
+Requests wait in a queue; whenever a KV-cache slot is free, a waiting sequence joins (the first one of the
+request with the fewest sequences running, so a small request does not wait behind every sample of a
+large one): its prompt is
 prefilled into its slot (a forward over the prompt alone), then it takes part in the batched decode
 steps with every other running sequence until it stops, and its slot is freed for the next one. The
 cache is bounded (`max_slots` x `max_seq_len`): more requests queue, never crash; a request that could
@@ -256,6 +258,16 @@ class RolloutEngine:
             q.finish = reason
         self._reap()
 
+    def _next_waiting(self) -> _Seq:
+        """The waiting sequence to admit next: the first one of the request with the fewest sequences running, so
+        a small request is not queued behind every sequence of a large one (n=64 x 1000 tokens) that came first.
+        Which sequences share a step never changes their tokens (the kernels are batch-invariant)."""
+        running = collections.Counter(id(q.request) for q in self.running)
+        i = min(range(len(self.waiting)), key=lambda j: (running[id(self.waiting[j].request)], j))
+        seq = self.waiting[i]
+        del self.waiting[i]
+        return seq
+
     @property
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
@@ -381,7 +393,7 @@ class RolloutEngine:
         version), then one decode step for every running sequence, one forward per version in flight."""
         joining: dict[int, list[_Seq]] = {}
         while self.waiting and self.free:
-            seq = self.waiting.popleft()
+            seq = self._next_waiting()
             seq.slot = self.free.pop(0)
             self.running.append(seq)  # before the forward: if it raises, cancel() still finds the sequence
             joining.setdefault(seq.request.version, []).append(seq)
