@@ -180,3 +180,18 @@ class Proc:
             except subprocess.TimeoutExpired:
                 pass
         self.log.close()
+
+
+def wait_for(cond, timeout: float, what: str, procs=(), every: float = 0.02):
+    """Poll cond() until it returns something true (returned); AssertionError naming `what` after `timeout`
+    s, or at once, with its log, when one of `procs` (Proc) exits meanwhile."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        for p in procs:
+            if p.p.poll() is not None:
+                raise AssertionError(f"process exited {p.p.returncode} while waiting for {what}:\n{p.text()[-3000:]}")
+        v = cond()
+        if v:
+            return v
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")

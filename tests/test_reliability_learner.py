@@ -22,7 +22,7 @@ from minite.v1 import learner_pb2 as lpb
 from minite.v1 import learner_pb2_grpc as lpb_grpc
 from minite_core.rl.config import RunConfig
 from minite_core.rl.loop import run
-from tests.service_helpers import Proc, free_port, report
+from tests.service_helpers import Proc, free_port, report, wait_for
 
 TOKEN = "learner-rel-token-8d2e"
 STEPS, PROMPTS, GENS, EVERY = 8, 4, 4, 3
@@ -66,19 +66,6 @@ def _served_versions(rollout_log: str) -> list[int]:
     return [int(v) for v in re.findall(r"serving weight version (\d+)", rollout_log)]
 
 
-def _wait(cond, timeout, what, procs=()):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        for p in procs:
-            if p.p.poll() is not None:
-                raise AssertionError(f"process exited {p.p.returncode} while waiting for {what}:\n{p.text()[-3000:]}")
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
 def _digest(rec: dict) -> str:
     from minite_core.rl.report import batch_digest
     from minite_core.rl.wal import TrajectoryLog
@@ -94,7 +81,7 @@ def test_learner_sigkill_mid_step_resumes_exactly_once(service_model, tmp_path):
     try:
         learner, *_ = _learner(service_model, tmp_path, g, run_dir)
         kill_at = EVERY + 2  # after the checkpoint of step EVERY: steps EVERY+1.. live only in the trajectory log
-        _wait(lambda: kill_at in _wal(run_dir), 240, f"step {kill_at}'s batch in the trajectory log", [learner])
+        wait_for(lambda: kill_at in _wal(run_dir), 240, f"step {kill_at}'s batch in the trajectory log", [learner])
         learner.p.kill()  # SIGKILL: no handler runs
         learner.p.wait(10)
         learner.kill()
@@ -148,7 +135,7 @@ def test_rollout_replica_killed_and_restarted(service_model, tmp_path):
     channel = None
     try:
         learner, lg, lh = _learner(service_model, tmp_path, g, run_dir, steps=6)
-        _wait(lambda: len(_rows(run_dir)) >= 2, 240, "two learner steps", [learner])
+        wait_for(lambda: len(_rows(run_dir)) >= 2, 240, "two learner steps", [learner])
         rollout.p.kill()
         rollout.p.wait(10)
         rollout.kill()
@@ -159,7 +146,7 @@ def test_rollout_replica_killed_and_restarted(service_model, tmp_path):
         def waiting():
             s = stub.Status(lpb.StatusRequest(), timeout=5)
             return s if "not answering" in learner.text() or s.last_error else None
-        status = _wait(waiting, 60, "the learner to report the replica down", [learner])
+        status = wait_for(waiting, 60, "the learner to report the replica down", [learner])
         step_down = status.step
         time.sleep(2.0)  # with no replica the learner waits: alive, healthy, not advancing
         assert learner.p.poll() is None
@@ -285,7 +272,7 @@ def test_weight_pushes_under_load(service_model, tmp_path):
         channel = grpc.insecure_channel(f"127.0.0.1:{learner_g}")
         stub = lpb_grpc.LearnerServiceStub(channel)
         t0 = time.monotonic()
-        _wait(lambda: stub.Status(lpb.StatusRequest(), timeout=10).done, 420, f"{PUSHES} learner steps under load",
+        wait_for(lambda: stub.Status(lpb.StatusRequest(), timeout=10).done, 420, f"{PUSHES} learner steps under load",
               [learner, rollout])
         load_s = time.monotonic() - t0
         stop.set()

@@ -31,7 +31,7 @@ from minite.v1 import rollout_pb2 as pb
 from minite.v1 import rollout_pb2_grpc as pb_grpc
 from minite_core.nvfp4 import NVFP4Tensor
 from services.common.weights import encode_update
-from tests.service_helpers import ROOT, Proc, free_port, new_weights, report
+from tests.service_helpers import ROOT, Proc, free_port, new_weights, report, wait_for
 
 TOKEN = "push-bounds-token-71c3"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
@@ -63,19 +63,6 @@ def _learner(model, tmp, rollouts: list[int], name="learner", steps=1000):
     p = Proc(args, tmp / f"{name}.log", env={"MINITE_AUTH_TOKEN": TOKEN})
     p.wait_http(f"http://127.0.0.1:{h}/health", timeout=180)
     return p, g, h
-
-
-def _wait(cond, timeout, what, procs=()):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        for p in procs:
-            if p.p.poll() is not None:
-                raise AssertionError(f"process exited {p.p.returncode} while waiting for {what}:\n{p.text()[-3000:]}")
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +200,7 @@ def test_learner_reports_a_replica_at_an_absurd_version_and_trains_on(service_mo
         ch = grpc.insecure_channel(f"127.0.0.1:{lg}")
         status = lpb_grpc.LearnerServiceStub(ch).Status
         t0 = time.monotonic()
-        s = _wait(lambda: (lambda s: s if s.step >= 3 or s.done else None)(status(lpb.StatusRequest(), timeout=10)),
+        s = wait_for(lambda: (lambda s: s if s.step >= 3 or s.done else None)(status(lpb.StatusRequest(), timeout=10)),
                   240, "3 learner steps", [learner])
         took = time.monotonic() - t0
         ch.close()
@@ -308,7 +295,7 @@ def test_two_scoring_loops_leave_training_most_steps(training):
                 t.join(300)
         return steps, rate, refused
 
-    _wait(lambda: stub.Status(lpb.StatusRequest(), timeout=10).step >= 2, 120, "training to start", [training["proc"]])
+    wait_for(lambda: stub.Status(lpb.StatusRequest(), timeout=10).step >= 2, 120, "training to start", [training["proc"]])
     alone = steps_in(window)
     attacked, _, attack_refused = under(4096, ())
     busy, rate, refused = under(256, AUTH)
