@@ -340,16 +340,19 @@ def idle_guarded(request_iterator, context, idle_s: float = PUSH_IDLE_TIMEOUT_S)
                 return
 
     threading.Thread(target=watch, name="push-idle-watchdog", daemon=True).start()
+    stalled = f"no message for {idle_s:g} s: the push stalled and was abandoned"
     try:
         for msg in request_iterator:
             last[0] = time.monotonic()
             yield msg
     except Exception:  # grpc.RpcError: the call was cancelled (by the watchdog, or the client went away)
         if fired.is_set():
-            raise WeightError(f"no message for {idle_s:g} s: the push stalled and was abandoned") from None
+            raise WeightError(stalled) from None
         raise
     finally:
         done.set()
+    if fired.is_set():  # (a cancelled call's stream may also just end, which would read as a truncated push)
+        raise WeightError(stalled)
 
 
 class WeightAssembler:
