@@ -208,6 +208,8 @@ def load(cls: type[BaseSettings], argv: list[str], prog: str, *, defaults: dict 
             del argv[i:i + 2]
         else:
             path = argv.pop(i).split("=", 1)[1]
+        if "--config" in argv or any(a.startswith("--config=") for a in argv):
+            raise ConfigError("give one --config file (put the settings in one file; flags override it)")
         file_values = read_file(path)
         unknown = sorted(set(file_values) - set(cls.model_fields))
         if unknown:

@@ -86,9 +86,11 @@ def load(path, masters: dict, opt: torch.optim.Optimizer, *, group=None, module=
     path = Path(path)
     try:
         meta = json.loads((path / "trainer.json").read_text())
-        meta["step"], meta["weight_version"], meta["torch_rng"]  # noqa: B018 (the keys a resume needs)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError) as e:
         raise CheckpointError(f"{path / 'trainer.json'} cannot be read: {type(e).__name__}: {e}") from None
+    missing = [k for k in ("step", "weight_version", "torch_rng") if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        raise CheckpointError(f"{path / 'trainer.json'} cannot be read: it has no {missing[0]!r}")
     if group is not None:
         if not (path / ".metadata").exists():
             raise CheckpointError(f"{path} is not a data-parallel (torch.distributed.checkpoint) checkpoint")

@@ -197,8 +197,8 @@ def _builtin(spec: str) -> dict:
 def cut_at_stop(c: Completion, tokenizer, stops: Sequence[str]) -> Completion:
     """The completion ended at the token that completes the first stop string (the tokens sampled after it
     are dropped, with their logprobs, as if sampling had stopped there)."""
-    if not stops:
-        return c
+    if not stops or not any(s in tokenizer.decode(c.token_ids, skip_special_tokens=True) for s in stops):
+        return c  # (the common case, one decode; the prefix search below only runs on a completion that stops)
     for n in range(1, len(c.token_ids) + 1):
         text = tokenizer.decode(c.token_ids[:n], skip_special_tokens=True)
         if any(s in text for s in stops):

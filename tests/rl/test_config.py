@@ -80,6 +80,7 @@ def test_the_run_file_of_minite_up_round_trips(run_toml, tmp_path):
     (["--task", "nocolon"], {}, ["package.module:factory"]),
     (["--num-generation", "4"], {}, ["--num-generation"]),
     (["--config", "{missing}"], {}, ["does not exist"]),
+    (["--config", "{f}", "--config", "{f}"], {}, ["give one --config file"]),
 ])
 def test_errors_name_the_key_and_its_origin(tmp_path, monkeypatch, argv, env, words):
     bad = tmp_path / "bad.toml"
