@@ -1,7 +1,7 @@
 """minite.v1.LearnerService over gRPC: SubmitTrajectories, Score and ScoreBatch (each needs the token when
 one is configured: scoring runs on the training loop's engine and lock, as REST's /v1/score), Status.
 A ScoreBatch holds at most MAX_SCORE_BATCH sequences (a bounded share of the learner; it is scored a
-row group at a time, the training step first: runtime.ScoringTurn)."""
+row group at a time, the training step first: common/turns.py CountedLock)."""
 from __future__ import annotations
 
 import grpc

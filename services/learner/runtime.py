@@ -9,7 +9,7 @@ Status and the log), never crash. Score and SubmitTrajectories use the same lear
 same lock as the step, so they see one weight version at a time.
 
 Fair share: scoring holds the lock SCORE_BATCH rows at a time, not for a whole batch, and a row group waits
-while the training loop is waiting for the lock (`ScoringTurn`): a step waits for at most the row group in
+while the training loop is waiting for the lock (`CountedLock.acquire_behind`): a step waits for at most the row group in
 progress of each scoring call, and every scoring call still gets a row group between two steps.
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ from minite_core.rl.loop import RUN_ERRORS, run
 from minite_core.rl.trainer import StaleRollout, Trainer
 
 from ..common.metrics import LearnerMetrics
+from ..common.turns import CountedLock
 from .replicas import NewerVersion, RemoteRollout, ReplicaError
 
 log = logging.getLogger("minite.learner")
@@ -41,41 +42,16 @@ class UnknownVersion(LookupError):
     """A weight version the learner no longer keeps (or never had)."""
 
 
-class ScoringTurn:
-    """Training first: `training()` marks the loop as waiting for the lock while it acquires it; `scoring()`
-    waits until no training step is waiting, then takes the lock (for one row group)."""
-
-    def __init__(self, lock):
-        self.lock = lock
-        self.cond = threading.Condition()
-        self.training_waits = 0
-
-    def acquire_for_training(self) -> None:
-        with self.cond:
-            self.training_waits += 1
-        try:
-            self.lock.acquire()
-        finally:
-            with self.cond:
-                self.training_waits -= 1
-                self.cond.notify_all()
-
-    def acquire_for_scoring(self) -> None:
-        with self.cond:
-            self.cond.wait_for(lambda: not self.training_waits)
-        self.lock.acquire()
-
-
 class _LockedTrainer(Trainer):
     """A Trainer whose steps hold the runtime's lock (Score and SubmitTrajectories run between steps),
-    taken ahead of scoring calls (ScoringTurn)."""
+    taken ahead of scoring calls (CountedLock.acquire_behind)."""
 
-    def __init__(self, cfg, rollout, lock, turn: ScoringTurn):
+    def __init__(self, cfg, rollout, lock, turn: CountedLock):
         self.lock, self.turn = lock, turn
         super().__init__(cfg, rollout)
 
     def step(self) -> dict:
-        self.turn.acquire_for_training()
+        self.turn.acquire()
         try:
             return super().step()
         finally:
@@ -89,7 +65,7 @@ class LearnerRuntime:
         self.cfg = settings  # (a RunConfig: the run's knobs, read by `minite train` the same way)
         self.rollout = RemoteRollout(settings.rollout, settings, self.metrics)
         self.lock = threading.RLock()  # one of: a GRPO step, a Score row group, a SubmitTrajectories batch
-        self.turn = ScoringTurn(self.lock)
+        self.turn = CountedLock(self.lock)  # a waiting training step goes before scoring
         self.trainer = _LockedTrainer(self.cfg, self.rollout, self.lock, self.turn)
         self.metrics.weight_version.set(self.trainer.version)
         self.last = {}
@@ -219,7 +195,7 @@ class LearnerRuntime:
             except ValueError as e:
                 raise ValueError(f"item {i}: {e}" if len(items) > 1 else str(e)) from None
         out: list = [None] * len(items)
-        self.turn.acquire_for_scoring()  # (held on for the first row group)
+        self.turn.acquire_behind()  # (held on for the first row group)
         try:  # resolve every item's version once, so a step between two row groups changes nothing
             current = self.trainer.version
             groups: dict = {}
@@ -235,7 +211,7 @@ class LearnerRuntime:
             for k in range(0, len(idx), SCORE_BATCH):
                 part = idx[k:k + SCORE_BATCH]
                 if not first:  # one row group per turn: a waiting training step goes first
-                    self.turn.acquire_for_scoring()
+                    self.turn.acquire_behind()
                 first = False
                 try:
                     with torch.no_grad():

@@ -23,6 +23,7 @@ from minite_core.engine import RolloutEngine, SamplingParams
 from minite_core.model import load_model
 
 from ..common.metrics import RolloutMetrics
+from ..common.turns import CountedLock
 from ..common.weights import describe, idle_guarded
 
 log = logging.getLogger("minite.rollout")
@@ -43,8 +44,7 @@ class RolloutRuntime:
         self.engine = RolloutEngine(model, max_slots=settings.max_slots, max_seq_len=settings.max_seq_len)
         self.expected = {n: describe(t) for n, t in model.w.items()}  # what a weight push must contain
         self.lock = threading.Condition()  # an RLock inside: callbacks run on the loop thread, lock held
-        self._wanting = 0  # threads waiting for the lock: the loop lets them in between two steps
-        self._wanting_lock = threading.Lock()
+        self.turns = CountedLock(self.lock)  # threads waiting for it: the loop lets them in between two steps
         self._cancels: collections.deque = collections.deque()  # cancels to apply before the next step
         self.stopping = False
         self.accepting = True
@@ -58,17 +58,8 @@ class RolloutRuntime:
     @contextlib.contextmanager
     def locked(self):
         """The engine lock, taken in turn with the loop (see the module docstring)."""
-        with self._wanting_lock:
-            self._wanting += 1
-        try:
-            self.lock.acquire()
-        finally:
-            with self._wanting_lock:
-                self._wanting -= 1
-        try:
+        with self.turns.held():
             yield
-        finally:
-            self.lock.release()
 
     def check_admission(self, n: int) -> None:
         """Raise Overloaded / RuntimeError if a request of `n` sequences must be refused now. Safe without
@@ -254,7 +245,7 @@ class RolloutRuntime:
                 try:
                     time.sleep(0)
                     deadline = time.monotonic() + 0.05
-                    while self._wanting and time.monotonic() < deadline:
+                    while self.turns.waiting and time.monotonic() < deadline:
                         time.sleep(0.0005)
                 finally:
                     self.lock.acquire()
