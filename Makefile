@@ -36,7 +36,8 @@ test: setup
 	$(PY) -m pytest -q --durations=15
 
 test-reliability: setup  ## the reliability and security scenarios alone (also part of `make test`), figures printed
-	$(PY) -m pytest -q -s tests/test_reliability_serving.py tests/test_reliability_learner.py tests/test_bad_input.py \
+	$(PY) -m pytest -q -s tests/serve/test_reliability_serving.py tests/serve/test_reliability_learner.py \
+		tests/serve/test_openapi_fuzz.py tests/serve/test_grpc_refusals.py tests/serve/test_rest_refusals.py \
 		tests/serve/test_operator_safety.py tests/serve/test_input_bounds.py tests/serve/test_weight_push_bounds.py \
 		tests/serve/test_http_timeouts.py tests/serve/test_model_limits.py
 

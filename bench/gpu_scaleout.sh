@@ -10,7 +10,7 @@ if [ -d .whl ]; then
     && export PYTHONPATH=/tmp/site:$PWD || exit 3
 fi
 step() { local t0=$(date +%s); echo "== $1"; shift; "$@" 2>&1 | tail -${TAIL:-25}; echo "== $(( $(date +%s) - t0 )) s"; }
-step "shared-sync tests" timeout 90 python3 -m pytest -q -p no:cacheprovider -rfs tests/test_shared_sync.py
+step "shared-sync tests" timeout 90 python3 -m pytest -q -p no:cacheprovider -rfs tests/serve/test_shared_weights.py
 step "weight sync bench" timeout 150 python3 bench/weight_sync.py --shared --repeats 4
 python3 - <<'PY'
 import torch

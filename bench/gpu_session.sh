@@ -12,9 +12,9 @@ git log --oneline -1 | tee -a "$OUT/device.txt"
 for p in $parts; do
   t0=$(date +%s)
   case $p in
-    tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rfs tests/test_ops.py tests/test_norm_kernels.py \
-             tests/test_row_kernels.py tests/test_grouped_gemm.py tests/test_sampler.py tests/test_rollout_fast.py \
-             tests/test_moe_grouped.py tests/test_learner_speed.py tests/test_engines.py tests/test_consistency.py \
+    tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rfs tests/core/test_ops.py tests/kernels/test_rows.py \
+             tests/kernels/test_attention.py tests/kernels/test_grouped_gemm.py tests/kernels/test_sample.py tests/engine/test_rollout_fast_paths.py \
+             tests/model/test_moe.py tests/core/test_backward.py tests/engine/test_rollout_equals_learner.py tests/consistency/test_knobs.py \
              2>&1 | tail -40 | tee "$OUT/tests.txt" ;;
     rollout) timeout 420 python3 bench/rollout.py ${ROLLOUT_ARGS:---configs 0.6b --batches 16,64 --repeats 2} \
              --json "$OUT/rollout.json" 2>&1 | tee "$OUT/rollout.txt" | tail -30 ;;

@@ -26,6 +26,7 @@ from .nvfp4 import BLOCK, NVFP4Tensor, dequantize_unscaled, div
 from .reduce import tree_sum
 
 _MAX_ELEMS = 1 << 24  # intermediate elements per chunk (64 MiB of fp32)
+_CACHE_ELEMS = 1 << 17  # products of a group of blocks in mm_plain (0.5 MiB of fp32)
 
 
 def _row_chunks(m: int, per_row: int):
@@ -63,18 +64,27 @@ def mm_nvfp4(x: NVFP4Tensor, w: NVFP4Tensor) -> torch.Tensor:
 
 
 def mm_plain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ w [N, K].T in fp32 with the fixed order above (operands upcast exactly to fp32)."""
+    """x [M, K] @ w [N, K].T in fp32 with the fixed order above (operands upcast exactly to fp32).
+
+    The 16 products of a block are laid out first, [16, rows, N], so each level of the pairwise tree
+    (p_j + p_{j+8}, then halves again: `reduce.tree_sum`'s order) adds two contiguous halves; a few
+    blocks go through at once while their products stay cache-sized (~0.5 MiB)."""
     xf, wf = x.float(), w.float()
     m, k = xf.shape
     n = wf.shape[0]
+    nb = k // BLOCK
     out = xf.new_empty(m, n)
-    wb = wf.view(n, k // BLOCK, BLOCK)
+    wt = wf.view(n, nb, BLOCK).permute(1, 2, 0).contiguous()  # [nb, 16, N]
     for lo, hi in _row_chunks(m, n * BLOCK):
-        xb = xf[lo:hi].view(hi - lo, k // BLOCK, BLOCK)
+        xt = xf[lo:hi].view(hi - lo, nb, BLOCK).permute(1, 2, 0).contiguous()  # [nb, 16, rows]
+        group = max(1, _CACHE_ELEMS // (BLOCK * (hi - lo) * n))
         acc = None
-        for b in range(k // BLOCK):
-            part = tree_sum(xb[:, None, b, :] * wb[None, :, b, :])
-            acc = part if acc is None else acc + part
+        for b0 in range(0, nb, group):
+            p = xt[b0:b0 + group].unsqueeze(3) * wt[b0:b0 + group].unsqueeze(2)  # [g, 16, rows, N]
+            while p.shape[1] > 1:
+                h = p.shape[1] // 2
+                p = p[:, :h] + p[:, h:]
+            acc = _sum_blocks_in_order(p[:, 0], acc)
         out[lo:hi] = acc
     return out
 

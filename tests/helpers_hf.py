@@ -7,7 +7,8 @@ transformers itself (`PreTrainedTokenizerFast.save_pretrained`), so the files ar
     make_bpe_tokenizer_dir(path, jinja_file=False)  # the template inside tokenizer_config.json
     write_generation_config(path)                   # eos_token_id [<|im_end|>, <|endoftext|>] as Qwen3's
 
-A random-weight Qwen3 for this tokenizer: `vocab_size=tokenizer_vocab_size(path)`.
+A random-weight Qwen3 for this tokenizer: `vocab_size=tokenizer_vocab_size(path)`. A tiny random Qwen3 or
+Qwen3-MoE saved by transformers itself: `save_hf_checkpoint(path, moe=...)`.
 """
 from __future__ import annotations
 
@@ -132,3 +133,28 @@ def write_generation_config(path, eos=("<|im_end|>", "<|endoftext|>")) -> list[i
     ids = [tok.token_to_id(t) for t in eos]
     (Path(path) / "generation_config.json").write_text(json.dumps({"eos_token_id": ids, "pad_token_id": ids[-1]}))
     return ids
+
+
+HF_TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+
+
+def save_hf_checkpoint(path, *, moe: bool = False, random_norms: bool = False, **overrides):
+    """A tiny random Qwen3 / Qwen3-MoE saved by HF transformers itself (the peer's own layout and config)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = dict(HF_TINY, **overrides)
+    if moe:
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **cfg, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True))
+    else:
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg))
+    if random_norms:  # norms start at 1: random ones make parity tests mean more
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    return path

@@ -24,6 +24,10 @@ from minite_core.nvfp4 import NVFP4Tensor
 
 
 ROOT = Path(__file__).resolve().parents[1]
+# The token of the services tests/serve/conftest.py shares between the refusal suites.
+TOKEN = "bad-input-token-5b1e"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+MAX_WAITING = 8  # that rollout's queue bound
 TOOL_PACKAGE = {"docker-compose": "docker-compose", "promtool": "prometheus", "prometheus": "prometheus"}
 
 
@@ -119,6 +123,16 @@ def learner_service(model_dir, rollout_address: str, **overrides):
     settings = LearnerSettings(model_dir=model_dir, grpc_port=0, rollout=[rollout_address], **overrides)
     with _serving(LearnerRuntime(settings), start_grpc, build_app) as s:
         yield s
+
+
+def error_message(response) -> str:
+    """The message of an OpenAI-style JSON error body (`{"error": {"message": ...}}`), or "" when there is none."""
+    try:
+        body = response.json()
+    except ValueError:
+        return ""
+    err = body.get("error") if isinstance(body, dict) else None
+    return err.get("message", "") if isinstance(err, dict) else ""
 
 
 def report(scenario: str, **figures) -> None:

@@ -267,7 +267,7 @@ def _gemm_kernel(
 # M <= SWAP_MAX_M uses the swapped narrow tiles: the weights are the MMA's first operand (wgmma's M = 64 per
 # warpgroup, from registers), the activations its N (16/32/64/128 by M: the narrowest power of two >= M).
 # M > SWAP_MAX_M uses the wide 128-row tiles. Every config has BLOCK_K = 128 and the same K order, so a
-# row's bits do not depend on which one ran (see the module docstring; tests/test_ops.py and
+# row's bits do not depend on which one ran (see the module docstring; tests/core/test_ops.py and
 # bench/gemm.py check it). SMALL_M_TILES = False falls back to the wide tiles for every M.
 SMALL_M_TILES = True
 SWAP_MAX_M = 128

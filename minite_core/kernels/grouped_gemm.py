@@ -19,7 +19,7 @@ loose), and runs the dense kernel's tile (`gemm.w4a4_tile`: same decode, same BL
 `gemm.k_chunks(N, K)`, walked in chunk order in the program, same epilogue) on that expert's rows and
 weight. So a row's bits equal the dense kernel's for that
 row and expert, `grouped_gemm(xq, w, offs)[rows of e] == gemm_triton(xq[rows of e], w_e)`, for every
-routing (tests/test_grouped_gemm.py checks it bit for bit).
+routing (tests/kernels/test_grouped_gemm.py checks it bit for bit).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ one grouped GEMM over all experts, and the per-token sum adds the k contribution
 order, as the loop does (bf16 adds from zero, the same operations on the same operands).
 
 Bits: every step is row-local and the grouped GEMM gives, for a row and its expert, the dense kernel's
-bits (tests/test_grouped_gemm.py), so this path and the loop agree bit for bit; the learner, which needs
+bits (tests/kernels/test_grouped_gemm.py), so this path and the loop agree bit for bit; the learner, which needs
 gradients, keeps the loop and still matches the rollout.
 
 The experts' weights are stacked once per weight set ([E, N, K], `stack_experts`) and cached on the

@@ -26,7 +26,7 @@ One step, with B sequences in the global batch (= the single-rank batch):
 What is not bitwise: the gradients are sums over the batch split across ranks, so their rounding
 differs from one rank's and the masters drift apart at the fp32 rounding level (and an NVFP4 code can
 flip where a master sits on a rounding boundary). The rollout-vs-learner promise is unaffected: it
-compares logprobs at the same weights, and those are bitwise equal on any rank (tests/test_distributed.py).
+compares logprobs at the same weights, and those are bitwise equal on any rank (tests/rl/test_distributed.py).
 Checkpoints use torch.distributed.checkpoint (each rank writes its shards; rank 0 the metadata).
 
 Limit: the forward reads masters by name, not through per-layer modules, so FSDP2 shards the whole

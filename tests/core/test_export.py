@@ -28,7 +28,7 @@ import json
 
 import pytest
 import torch
-from conftest import save_hf_checkpoint
+from tests.helpers_hf import save_hf_checkpoint
 
 from minite_core import checkpoint, export, nvfp4
 from minite_core.model import load_model

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import save_hf_checkpoint
+from tests.helpers_hf import save_hf_checkpoint
 
 from tests.helpers_hf import make_bpe_tokenizer_dir, tokenizer_vocab_size, write_generation_config
 

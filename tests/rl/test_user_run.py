@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import save_hf_checkpoint
+from tests.helpers_hf import save_hf_checkpoint
 from safetensors.torch import load_file
 
 from tests.helpers_hf import make_bpe_tokenizer_dir, tokenizer_vocab_size, write_generation_config

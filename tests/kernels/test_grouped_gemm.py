@@ -7,7 +7,7 @@ On a CPU machine the kernels run under the Triton interpreter (small shapes); on
 """
 import pytest
 import torch
-from conftest import DEVICE, HAS_CUDA, HAS_TRITON
+from tests.backends import DEVICE, HAS_CUDA, HAS_TRITON
 
 from minite_core import nvfp4, reference
 

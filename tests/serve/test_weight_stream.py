@@ -1,28 +1,10 @@
-"""The pieces under the services: committed gRPC stubs match the .proto files, the weight stream's
-checks (each fault named), and settings/CLI errors that say what is wrong."""
-import subprocess
-import sys
-from pathlib import Path
-
+"""The weight stream's checks (services/common/weights.py): a push round-trips bit for bit at any chunk size,
+and each fault (wrong shape, dtype, count, order, truncation, version) is named."""
 import pytest
 import torch
 
 from minite_core import nvfp4
 from services.common.weights import WeightAssembler, WeightError, describe, encode_update, push_bytes
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def test_committed_stubs_are_fresh(tmp_path):
-    protos = sorted(str(p.relative_to(ROOT / "proto")) for p in (ROOT / "proto").rglob("*.proto"))
-    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I", str(ROOT / "proto"), f"--python_out={tmp_path}",
-                    f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}", *protos], check=True)
-    generated = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*.py*"))
-    assert generated, "protoc generated nothing"
-    for rel in generated:
-        committed = ROOT / rel
-        assert committed.exists(), f"{rel} is not committed: run `make proto`"
-        assert committed.read_text() == (tmp_path / rel).read_text(), f"{rel} is stale: run `make proto`"
 
 
 def _weights(seed=0):
@@ -114,28 +96,3 @@ def test_stale_version_and_wrong_count():
         _assemble(_msgs(w, version=2), _expected(w), serving=2)
     with pytest.raises(WeightError, match="announces 3 tensors; the model has 2"):
         _assemble(_msgs(w), {n: d for n, d in _expected(w).items() if n != "c.weight"})
-
-
-@pytest.mark.parametrize("args, words", [
-    (["rollout", "--grpc-port", "99999"], "grpc_port"),
-    (["rollout", "--precision", "fp8"], "precision must be"),
-    (["rollout", "--tls-cert", "/nonexistent.pem"], "tls_cert and tls_key"),
-    (["learner", "--rollout", "nohost"], "is not host:port"),
-    (["learner", "--steps", "-3"], "steps"),
-    (["rollout", "--bogus-flag", "1"], "unrecognized"),
-    (["rollout", "--model-dir", "/nonexistent/model"], "has no config.json"),
-])
-def test_cli_settings_errors(args, words):
-    r = subprocess.run([sys.executable, "-m", "minite_core.cli", *args], capture_output=True, text=True, timeout=120,
-                       env={"PATH": "/usr/bin:/bin", "MINITE_GRPC_PORT": "0", "MINITE_HTTP_PORT": "0"})
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    assert words in r.stderr and "Traceback" not in r.stderr, r.stderr
-
-
-def test_env_settings(monkeypatch):
-    from services.common.settings import RolloutSettings
-
-    monkeypatch.setenv("MINITE_AUTH_TOKEN", "s3cret")
-    monkeypatch.setenv("MINITE_MAX_SLOTS", "3")
-    s = RolloutSettings()
-    assert s.token == "s3cret" and s.max_slots == 3 and "s3cret" not in repr(s)

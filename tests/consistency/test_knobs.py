@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import save_hf_checkpoint
+from tests.helpers_hf import save_hf_checkpoint
 
 from minite_core.consistency import drift_stats
 from minite_core.engine import Learner, RolloutEngine, SamplingParams

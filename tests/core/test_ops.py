@@ -5,7 +5,7 @@ On a CPU machine the Triton cases run under the interpreter (small shapes); on a
 """
 import pytest
 import torch
-from conftest import DEVICE, HAS_CUDA, backend_params
+from tests.backends import DEVICE, HAS_CUDA, HAS_TRITON, backend_params
 
 from minite_core import nvfp4, ops, reference
 
@@ -36,7 +36,7 @@ def _same_bits(a, b):
 # ------------------------------------------------------------------------------------------------ quantize
 
 
-@pytest.mark.skipif(not HAS_CUDA and not __import__("conftest").HAS_TRITON, reason="triton missing")
+@pytest.mark.skipif(not HAS_CUDA and not HAS_TRITON, reason="triton missing")
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows,k", [(1, 16), (7, 48), (37, 272), (130, 64), (2, 8208)])
@@ -56,7 +56,7 @@ def test_triton_quantize_is_bit_exact_with_torch(dtype, rows, k, mode):
 
 
 @pytest.mark.interpreter
-@pytest.mark.skipif(not __import__("conftest").HAS_TRITON, reason="triton missing")
+@pytest.mark.skipif(not HAS_TRITON, reason="triton missing")
 def test_triton_quantize_explicit_scale_saturates_like_torch():
     x = _rand(9, 64, seed=3)
     gs = torch.tensor(x.abs().max().item() / 2688 / 50, device=DEVICE)  # forces saturation
@@ -117,7 +117,7 @@ INVARIANCE_SHAPES = ([(40, 64, 1), (40, 96, 2), (40, 224, 4)] if DEVICE == "cpu"
 
 
 @pytest.mark.gpu if HAS_CUDA else pytest.mark.interpreter
-@pytest.mark.skipif(not __import__("conftest").HAS_TRITON, reason="triton missing")
+@pytest.mark.skipif(not HAS_TRITON, reason="triton missing")
 @pytest.mark.parametrize("wkind", ["nvfp4-tensor", "nvfp4-row"])
 @pytest.mark.parametrize("n,k,chunks", INVARIANCE_SHAPES, ids=lambda v: str(v))
 def test_w4a4_gemm_rows_do_not_depend_on_the_tile_config(wkind, n, k, chunks):

@@ -3,7 +3,6 @@ through both protocols; OpenAI-shaped REST; versioned atomic weight pushes (fini
 sequences); auth, deadlines, bounded queues, and clear errors for bad input."""
 import copy
 import json
-import math
 import threading
 import time
 

@@ -2,7 +2,8 @@
 per-expert loop, layer by layer and for whole forwards, and its stacked-weight cache follows the weights."""
 import pytest
 import torch
-from conftest import DEVICE, HAS_TRITON, save_hf_checkpoint
+from tests.backends import DEVICE, HAS_TRITON
+from tests.helpers_hf import save_hf_checkpoint
 
 from minite_core.model import load_model
 from minite_core.model import moe as moe_mod

@@ -1,6 +1,9 @@
 """The learner service over real gRPC and HTTP, against a real rollout service: it pushes its weights to
 the rollout at start, scores with the learner engine (equal to the rollout's logprobs bit for bit),
-records drift for submitted trajectories, and refuses stale versions, bad input and missing tokens."""
+records drift for submitted trajectories, refuses stale versions, bad input and missing tokens, and its
+/health reports a training loop that died."""
+import time
+
 import grpc
 import httpx
 import pytest
@@ -200,3 +203,23 @@ def test_score_at_kept_versions_and_in_batches(pair):
         with pytest.raises(grpc.RpcError) as e:
             lstub.ScoreBatch(req, timeout=30, metadata=AUTH)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details(), e.value.details()
+
+
+def test_learner_health_reports_a_dead_training_loop(service_model, pair, tmp_path):
+    rollout, learner = pair[:2]
+    assert httpx.get(f"{learner[2]}/health", timeout=30).status_code == 200  # a learner whose loop is fine
+    run_dir = tmp_path / "run"
+    (run_dir / "metrics.jsonl").mkdir(parents=True)  # the loop cannot write its metrics: it stops on the error
+    with learner_service(service_model, rollout[1], auth_token=TOKEN, steps=1, run_dir=run_dir) as (rt, _, url):
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200  # not started yet
+        rt.start()
+        deadline = time.monotonic() + 60
+        while rt.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not rt.thread.is_alive() and rt.last_error and not rt.done
+        r = httpx.get(f"{url}/health", timeout=30)
+        assert r.status_code == 503, r.text
+        body = r.json()
+        assert body["status"] == "failed" and "training loop" in body["error"]["message"]
+        assert "metrics.jsonl" in body["error"]["message"]  # the cause, as the loop reported it
+        assert httpx.get(f"{url}/v1/status", timeout=30).json()["last_error"]  # Status still answers

@@ -7,7 +7,7 @@ real GPU path against the same references.
 """
 import pytest
 import torch
-from conftest import HAS_CUDA, HAS_TRITON
+from tests.backends import HAS_CUDA, HAS_TRITON
 
 from minite_core import nvfp4, ops
 from minite_core.nvfp4 import NVFP4Tensor

@@ -7,7 +7,7 @@ import torch
 
 from minite_core.engine.sampler import mix32, noise_key, sample_batch, sample_reference, seed_key, uniform_reference
 
-from conftest import backend_params
+from tests.backends import backend_params
 
 
 def _device():

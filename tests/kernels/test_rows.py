@@ -4,7 +4,7 @@ the output dtype), gradients close to fp32 autograd through the reference, and b
 bit (a row alone == that row in a batch, wherever it sits)."""
 import pytest
 import torch
-from conftest import HAS_CUDA
+from tests.backends import HAS_CUDA
 
 from minite_core import ops, reference
 

@@ -619,7 +619,7 @@ def test_push_faults_keep_serving_and_the_next_push_lands(service_model, tmp_pat
 
         # a pushing client SIGKILLed half-way through its stream
         killer = subprocess.Popen([sys.executable, "-c", _KILLED_PUSHER, f"127.0.0.1:{g}", str(service_model), "2", TOKEN],
-                                  stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+                                  stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
         assert killer.stdout.readline().strip() == "HALF-WAY"
         killer.kill()
         killer.wait(10)

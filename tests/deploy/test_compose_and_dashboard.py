@@ -13,7 +13,6 @@ import fnmatch
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # `deploy` is not an installed package: import it from the checkout
     sys.path.insert(0, str(ROOT))
 

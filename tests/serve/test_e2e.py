@@ -24,7 +24,7 @@ STEPS = 10
 def _spawn(args, log: Path, env):
     f = log.open("w")
     return subprocess.Popen([sys.executable, "-m", "minite_core.cli", *args], stdout=f, stderr=subprocess.STDOUT, env=env,
-                            cwd=Path(__file__).resolve().parents[1]), f
+                            cwd=Path(__file__).resolve().parents[2]), f
 
 
 def _wait_http(url: str, proc, log: Path, timeout=180.0):

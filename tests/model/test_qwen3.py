@@ -4,7 +4,8 @@ import json
 
 import pytest
 import torch
-from conftest import DEVICE, save_hf_checkpoint
+from tests.backends import DEVICE
+from tests.helpers_hf import save_hf_checkpoint
 
 from minite_core import ops
 from minite_core.model import load_model

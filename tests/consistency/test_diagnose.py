@@ -3,7 +3,6 @@ engines first part ways; aligned engines are bitwise identical everywhere; the C
 import json
 
 import pytest
-import torch
 
 from minite_core.cli import main
 from minite_core.consistency.diagnose import diagnose

@@ -3,7 +3,8 @@ continuous batching (requests joining mid-flight, mixed lengths, >= 16 at once),
 dense and MoE; seeded sampling reproducible whatever the batch mates; bad requests rejected."""
 import pytest
 import torch
-from conftest import DEVICE, HAS_CUDA, HAS_TRITON, save_hf_checkpoint
+from tests.backends import DEVICE, HAS_CUDA, HAS_TRITON
+from tests.helpers_hf import save_hf_checkpoint
 
 from minite_core.engine import Learner, RolloutEngine, SamplingParams
 from minite_core.model import load_model

@@ -3,7 +3,8 @@ and CUDA-graph decode (padded batch buckets, weights copied in place on a sync) 
 logprobs of the plain path, and those equal the learner's."""
 import pytest
 import torch
-from conftest import DEVICE, HAS_CUDA, HAS_TRITON, save_hf_checkpoint
+from tests.backends import DEVICE, HAS_CUDA, HAS_TRITON
+from tests.helpers_hf import save_hf_checkpoint
 
 from minite_core.engine import Learner, RolloutEngine, SamplingParams
 from minite_core.engine.graphs import buckets, clone_weights, copy_weights_, graph_capturable
