@@ -33,7 +33,7 @@ compose-config:  ## validate docker-compose.yml offline (Debian's docker-compose
 	MINITE_AUTH_TOKEN=validate-only docker-compose -f docker-compose.yml config -q
 
 test: setup
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 test-reliability: setup  ## the reliability and security scenarios alone (also part of `make test`), figures printed
 	$(PY) -m pytest -q -s tests/serve/test_reliability_serving.py tests/serve/test_reliability_learner.py \

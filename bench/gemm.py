@@ -10,6 +10,8 @@ For each shape (N, K) and M it times, with triton.testing.do_bench_cudagraph (me
   minite-gemm   the W4A4 GEMM kernel alone on pre-quantized activations (S = gemm.k_chunks(N, K) K chunks;
                 for M <= 128 and S > 1 split over programs + a combine kernel)
   minite-gemm-walk  M <= 128, S > 1: the same bits with the chunks walked in one program (SPLIT_K = False)
+  minite-gemm-packed M > 128: the same bits from the packed operands decoded in every tile (DECODE_WIDE = False;
+                the default decodes both operands once, `decode-both`, and runs the tile on fp16)
 and the activation-quantize kernel's bandwidth against a plain device copy. It also checks, on the GPU,
 that the swapped narrow tiles (M <= 128: BLOCK_M 16/32/64/128) give the same bits as the wide ones (the
 condition for SMALL_M_TILES), and that the W4A4 output is invariant: row i of an M-row product == the
@@ -109,6 +111,11 @@ def run(quick: bool) -> list[dict]:
                 gemm_mod.SMALL_M_TILES = False
                 r["minite-gemm-wide-tiles"] = bench(lambda: gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16))
                 gemm_mod.SMALL_M_TILES = True
+            if m > gemm_mod.SWAP_MAX_M:  # the packed operands decoded in every tile, for comparison (same bits)
+                gemm_mod.DECODE_WIDE = False
+                r["minite-gemm-packed"] = bench(lambda: gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16))
+                gemm_mod.DECODE_WIDE = True
+                r["decode-both"] = bench(lambda: (gemm_mod.decode_nvfp4(xq, 128), gemm_mod.decode_nvfp4(wq, 128)))
             if m <= gemm_mod.SWAP_MAX_M and r["S"] > 1:  # the K chunks in one program, for comparison
                 gemm_mod.SPLIT_K = False
                 r["minite-gemm-walk"] = bench(lambda: gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16))
@@ -211,18 +218,55 @@ def sweep(n=12288, k=4096):
             gemm_mod.CONFIG_OVERRIDE = None
 
 
+DECODED_SWEEP = [  # tiles of the decoded wide path (BLOCK_K stays 128; only the output tile and pipelining vary)
+    dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=2),
+    dict(BLOCK_M=256, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=2),
+    dict(BLOCK_M=128, BLOCK_N=64, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4),
+]
+
+
+def decoded_sweep():
+    """The decoded wide path's GEMM alone (operands decoded outside the timing) for each tile of DECODED_SWEEP."""
+    default = dict(gemm_mod.DECODED_TILE)
+    for n, k in SHAPES + [(3072, 1024), (1024, 3072), (2048, 1024)]:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        w32 = torch.randn(n, k, device="cuda", generator=g) * 0.02
+        wq, w_bf16 = nvfp4.quantize(w32, scale_mode="tensor"), w32.to(torch.bfloat16)
+        for m in (4096, 8192):
+            x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
+            xq = quantize_triton(x, None)
+            t_cublas = bench(lambda: torch.matmul(x, w_bf16.T))
+            ref = gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16)
+            for tile in DECODED_SWEEP:
+                gemm_mod.DECODED_TILE = tile
+                try:
+                    same = torch.equal(gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16), ref)
+                    t = bench(lambda: gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16))
+                    print(f"decoded N={n} K={k} M={m} {tile}: {t * 1e6:.1f} us = {t_cublas / t:.2f}x cuBLAS bf16, "
+                          f"same bits {same}", flush=True)
+                except Exception as e:  # a config that does not compile is reported, not fatal
+                    print(f"decoded N={n} K={k} M={m} {tile}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+    gemm_mod.DECODED_TILE = default
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--sweep", action="store_true", help="first time a few fixed tile configs")
     ap.add_argument("--grouped-only", action="store_true", help="only the MoE grouped GEMM table")
+    ap.add_argument("--decoded-sweep", action="store_true", help="first time the decoded wide path's tiles")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/gemm.py needs a CUDA GPU")
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
     if args.sweep:
         sweep()
+    if args.decoded_sweep:
+        decoded_sweep()
     def us(v):
         return f"{v * 1e6:9.1f}" if v else "      n/a"
 
@@ -245,11 +289,12 @@ def main():
     if args.grouped_only:
         return
 
-    print("\n   N     K     M  S | cuBLAS bf16 | fp8 mm | naive deq | minite w4a4 | gemm only | no split  | wide tiles  | w4a4 vs bf16 | TFLOP/s w4a4 (bf16)")
+    print("\n   N     K     M  S | cuBLAS bf16 | fp8 mm | naive deq | minite w4a4 | gemm only | no split  | wide tiles  | packed wide | w4a4 vs bf16 | TFLOP/s w4a4 (bf16)")
     for r in rows:
         flop = 2 * r["M"] * r["N"] * r["K"]
         print(f"{r['N']:5d} {r['K']:5d} {r['M']:5d} {r['S']:2d} | {us(r['cublas-bf16'])}us | {us(r['fp8-scaled-mm'])} | {us(r['naive-deq'])} |"
               f" {us(r['minite-w4a4'])}   | {us(r['minite-gemm'])} | {us(r.get('minite-gemm-walk'))} | {us(r.get('minite-gemm-wide-tiles'))}   |"
+              f" {us(r.get('minite-gemm-packed'))}   |"
               f" {r['cublas-bf16'] / r['minite-w4a4']:6.2f}x      | {flop / r['minite-w4a4'] / 1e12:7.1f} ({flop / r['cublas-bf16'] / 1e12:6.1f})")
     print(f"\nquantize 8192x4096 bf16: {qbw['quantize_GBps']:.0f} GB/s vs copy {qbw['copy_GBps']:.0f} GB/s = {qbw['ratio']:.2f}")
 

@@ -102,11 +102,21 @@ def decode_nvfp4_pairs(packed, scale):
 
 
 @triton.jit
+def _decode_step(packed, scale_bytes, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One BLOCK_K step of packed bytes [ROWS, BLOCK_K/2] and E4M3 scale bytes [ROWS, BLOCK_K/16] -> (even,
+    odd) fp16 tiles [ROWS, BLOCK_K/2] of code * block scale: each block scale decoded once, then spread
+    over its 8 bytes."""
+    s = e4m3_to_fp16(scale_bytes.to(tl.int16))
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], [ROWS, BLOCK_K // 16, 8]), [ROWS, BLOCK_K // 2])
+    return decode_nvfp4_pairs(packed, s)
+
+
+@triton.jit
 def w4a4_tile(
     a_ptr, as_ptr, b_ptr, bs_ptr, offs_m, mask_m, offs_n, mask_n, K, k_lo, k_hi, chunk_k,
     stride_am, stride_asm, stride_bn, stride_bsn,
     EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, CHUNKED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODED: tl.constexpr = False,
 ):
     """sum_k (code * block scale)_x[m, k] * (code * block scale)_w[n, k] over k in [k_lo, k_hi) for one
     [BLOCK_M, BLOCK_N] tile, fp32.
@@ -119,6 +129,10 @@ def w4a4_tile(
     [k_lo, k_hi) is either all of K or one chunk (the split programs, with CHUNKED = False: they return the
     chunk's chain c_i and `_combine_kernel` does the same additions). The dense and the grouped kernel
     both call this, so a row gets the same bits from either.
+
+    DECODED: a and b are fp16 [rows, cdiv(K, BLOCK_K) * BLOCK_K] already decoded by `decode_nvfp4`
+    (code * block scale, each BLOCK_K step laid out as its even elements then its odd ones, zeros past K):
+    the tile loads the two halves instead of decoding bytes, and feeds the same values to the same dots.
     """
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -129,7 +143,13 @@ def w4a4_tile(
         k0 = tl.multiple_of(k0, BLOCK_K)  # k_lo is a multiple of BLOCK_K: keeps the loads vectorized
         kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte (= element pair) index
         ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)  # block-scale index
-        if EVEN_K:  # no mask along K, so the byte loads vectorize
+        if DECODED:  # fp16 code * scale, the step's evens then its odds (zero-padded to whole steps)
+            kh = k0 + tl.arange(0, BLOCK_K // 2)
+            a_even = tl.load(a_ptr + offs_m[:, None] * stride_am + kh[None, :], mask=mask_m[:, None], other=0.0)
+            a_odd = tl.load(a_ptr + offs_m[:, None] * stride_am + (kh + BLOCK_K // 2)[None, :], mask=mask_m[:, None], other=0.0)
+            b_even = tl.load(b_ptr + offs_n[:, None] * stride_bn + kh[None, :], mask=mask_n[:, None], other=0.0)
+            b_odd = tl.load(b_ptr + offs_n[:, None] * stride_bn + (kh + BLOCK_K // 2)[None, :], mask=mask_n[:, None], other=0.0)
+        elif EVEN_K:  # no mask along K, so the byte loads vectorize
             a = tl.load(a_ptr + offs_m[:, None] * stride_am + kp[None, :], mask=mask_m[:, None], other=0)
             b = tl.load(b_ptr + offs_n[:, None] * stride_bn + kp[None, :], mask=mask_n[:, None], other=0)
             sa = tl.load(as_ptr + offs_m[:, None] * stride_asm + ks[None, :], mask=mask_m[:, None], other=0)
@@ -141,13 +161,9 @@ def w4a4_tile(
             b = tl.load(b_ptr + offs_n[:, None] * stride_bn + kp[None, :], mask=mask_n[:, None] & kp_ok[None, :], other=0)
             sa = tl.load(as_ptr + offs_m[:, None] * stride_asm + ks[None, :], mask=mask_m[:, None] & ks_ok[None, :], other=0)
             sb = tl.load(bs_ptr + offs_n[:, None] * stride_bsn + ks[None, :], mask=mask_n[:, None] & ks_ok[None, :], other=0)
-        # decode each block scale once, then spread it over its 8 bytes
-        sa = e4m3_to_fp16(sa.to(tl.int16))
-        sb = e4m3_to_fp16(sb.to(tl.int16))
-        sa = tl.reshape(tl.broadcast_to(sa[:, :, None], [BLOCK_M, BLOCK_K // 16, 8]), [BLOCK_M, BLOCK_K // 2])
-        sb = tl.reshape(tl.broadcast_to(sb[:, :, None], [BLOCK_N, BLOCK_K // 16, 8]), [BLOCK_N, BLOCK_K // 2])
-        a_even, a_odd = decode_nvfp4_pairs(a, sa)
-        b_even, b_odd = decode_nvfp4_pairs(b, sb)
+        if not DECODED:
+            a_even, a_odd = _decode_step(a, sa, BLOCK_M, BLOCK_K)
+            b_even, b_odd = _decode_step(b, sb, BLOCK_N, BLOCK_K)
         if SWAP_AB:  # M <= 128: the weight tile is the MMA's first operand (kept in registers)
             acc_t = tl.dot(b_even, tl.trans(a_even), acc_t)
             acc_t = tl.dot(b_odd, tl.trans(a_odd), acc_t)
@@ -215,11 +231,12 @@ def _gemm_kernel(
     M, N, K, chunk_k,
     stride_am, stride_asm, stride_ags, stride_bn, stride_bsn, stride_bgs, stride_cm,
     FP4: tl.constexpr, DOT_FP32: tl.constexpr, DOT_BY_SUM: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, HAS_BIAS: tl.constexpr,
-    CHUNKED: tl.constexpr, SPLIT: tl.constexpr,
+    CHUNKED: tl.constexpr, SPLIT: tl.constexpr, DECODED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """FP4: SPLIT, program (tile, c) writes chunk c's partial of its tile to p_ptr [S, M, N] (fp32) and
-    `_combine_kernel` finishes; else the program walks every chunk in order and finishes itself."""
+    `_combine_kernel` finishes; else the program walks every chunk in order and finishes itself, on packed
+    operands or (DECODED) on `decode_nvfp4`'s fp16 ones."""
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
@@ -244,7 +261,8 @@ def _gemm_kernel(
             tl.store(p, acc, mask=mask_m[:, None] & mask_n[None, :])
         else:
             acc = w4a4_tile(a_ptr, as_ptr, b_ptr, bs_ptr, offs_m, mask_m, offs_n, mask_n, K, 0, K, chunk_k,
-                            stride_am, stride_asm, stride_bn, stride_bsn, EVEN_K, SWAP_AB, CHUNKED, BLOCK_M, BLOCK_N, BLOCK_K)
+                            stride_am, stride_asm, stride_bn, stride_bsn, EVEN_K, SWAP_AB, CHUNKED, BLOCK_M, BLOCK_N, BLOCK_K,
+                            DECODED)
             acc = w4a4_epilogue(acc, ags_ptr, stride_ags, bgs_ptr, stride_bgs, offs_m, mask_m, offs_n, mask_n)
             _store_out(acc, bias_ptr, c_ptr, stride_cm, offs_m, mask_m, offs_n, mask_n, HAS_BIAS)
     else:
@@ -264,6 +282,39 @@ def _gemm_kernel(
         _store_out(acc, bias_ptr, c_ptr, stride_cm, offs_m, mask_m, offs_n, mask_n, HAS_BIAS)
 
 
+@triton.jit
+def _decode_kernel(p_ptr, s_ptr, o_ptr, R, K, stride_p, stride_s, stride_o,
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Packed NVFP4 rows -> fp16 code * block scale, each BLOCK_K step as its even elements then its odd
+    ones (`w4a4_tile`'s order), zeros past K: the operand layout of the DECODED tile."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k0 = tl.program_id(1) * BLOCK_K
+    kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    mask_r = offs_r < R
+    packed = tl.load(p_ptr + offs_r[:, None] * stride_p + kp[None, :], mask=mask_r[:, None] & (kp < K // 2)[None, :], other=0)
+    scale = tl.load(s_ptr + offs_r[:, None] * stride_s + ks[None, :], mask=mask_r[:, None] & (ks < K // 16)[None, :], other=0)
+    even, odd = _decode_step(packed, scale, BLOCK_R, BLOCK_K)
+    kh = k0 + tl.arange(0, BLOCK_K // 2)
+    out = o_ptr + offs_r[:, None] * stride_o
+    tl.store(out + kh[None, :], even, mask=mask_r[:, None])
+    tl.store(out + (kh + BLOCK_K // 2)[None, :], odd, mask=mask_r[:, None])
+
+
+def decode_nvfp4(t: NVFP4Tensor, block_k: int) -> torch.Tensor:
+    """fp16 [R, cdiv(K, block_k) * block_k]: code * block scale (exact in fp16) of a 2-D NVFP4 tensor, in
+    the DECODED tile's layout; the global scales are not applied (the GEMM's epilogue does that)."""
+    r, k = t.shape
+    steps = triton.cdiv(k, block_k)
+    out = torch.empty(r, steps * block_k, dtype=torch.float16, device=t.data.device)
+    if r:
+        block_r = 16 if interpreting() else 64
+        _decode_kernel[(triton.cdiv(r, block_r), steps)](
+            t.data, t.scale.view(torch.uint8), out, r, k, t.data.stride(0), t.scale.stride(0), out.stride(0),
+            BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+    return out
+
+
 # M <= SWAP_MAX_M uses the swapped narrow tiles: the weights are the MMA's first operand (wgmma's M = 64 per
 # warpgroup, from registers), the activations its N (16/32/64/128 by M: the narrowest power of two >= M).
 # M > SWAP_MAX_M uses the wide 128-row tiles. Every config has BLOCK_K = 128 and the same K order, so a
@@ -278,6 +329,12 @@ SWAP_CONFIGS = {  # BLOCK_M (the swapped MMA's N) -> the rest of the tile; BLOCK
     128: dict(BLOCK_N=64, num_warps=4, num_stages=3),  # 255 registers, no spill; 8 warps: 35 barriers per K step
 }
 FP4_BLOCK_K = 128  # the K order of every W4A4 config on the GPU (never per M)
+# M > SWAP_MAX_M (compute-bound: prefill, the learner): decode both operands once into fp16 (`decode_nvfp4`,
+# ~2.5 bytes per element read and written) and run the walk on them (`w4a4_tile` with DECODED): the same
+# values in the same dots, so the same bits, without the per-tile decode that holds the packed kernel to
+# ~0.3x of a bf16 GEMM. The small-M tiles keep the packed operands (bandwidth-bound: 0.56 bytes a weight).
+DECODE_WIDE = True
+DECODED_TILE = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)
 CONFIG_OVERRIDE: dict | None = None  # bench/gemm.py only: try other fixed configs
 
 
@@ -316,6 +373,7 @@ def gemm_config(m: int, n: int, k: int, fp4: bool) -> dict:
     if fp4:
         chunks = k_chunks(n, k)
         cfg = dict(cfg, CHUNKS=chunks, SPLIT=bool(SPLIT_K and chunks > 1 and cfg["SWAP_AB"]))
+        cfg.setdefault("DECODED", False)
         if chunks > 1 and not cfg["SWAP_AB"] and cfg["BLOCK_N"] > 128 and not interpreting():
             cfg["BLOCK_N"] = 128  # the walk keeps a second accumulator: 128x256 would spill
     return cfg
@@ -326,7 +384,8 @@ def _tile_config(m: int, n: int, k: int, fp4: bool) -> dict:
         if fp4:
             if m <= SWAP_MAX_M:
                 return dict(BLOCK_M=swap_block_m(m), BLOCK_N=32, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=1, SWAP_AB=True)
-            return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=1, SWAP_AB=False)
+            return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=1, SWAP_AB=False,
+                        DECODED=DECODE_WIDE)
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1, SWAP_AB=False)
     if fp4 and CONFIG_OVERRIDE:
         return dict(dict(SWAP_AB=False, GROUP_M=8), **CONFIG_OVERRIDE, BLOCK_K=FP4_BLOCK_K)
@@ -334,6 +393,8 @@ def _tile_config(m: int, n: int, k: int, fp4: bool) -> dict:
         if SMALL_M_TILES and m <= SWAP_MAX_M:
             bm = swap_block_m(m)
             return dict(BLOCK_M=bm, BLOCK_K=FP4_BLOCK_K, GROUP_M=8, SWAP_AB=True, **SWAP_CONFIGS[bm])
+        if DECODE_WIDE:
+            return dict(DECODED_TILE, BLOCK_K=FP4_BLOCK_K, SWAP_AB=False, DECODED=True)
         # 128x256 tiles for wide layers; 128x128 when N is small, so more programs fill the GPU
         return dict(BLOCK_M=128, BLOCK_N=256 if n >= 4096 else 128, BLOCK_K=FP4_BLOCK_K, GROUP_M=8, num_warps=8,
                     num_stages=3, SWAP_AB=False)
@@ -357,14 +418,20 @@ def gemm_triton(x, w, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torc
     cfg.setdefault("SWAP_AB", False)
     chunks = cfg.pop("CHUNKS", 1)
     split = cfg.pop("SPLIT", False)
+    decoded = cfg.pop("DECODED", False)
     bk = cfg["BLOCK_K"]
     chunk_k = triton.cdiv(triton.cdiv(k, bk), chunks) * bk  # elements per chunk (a multiple of BLOCK_K)
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     if fp4:
         ags, s_ags = _flat_gs(x)
         bgs, s_bgs = _flat_gs(w)
-        args = (x.data, x.scale.view(torch.uint8), ags, w.data, w.scale.view(torch.uint8), bgs)
-        strides = (x.data.stride(0), x.scale.stride(0), s_ags, w.data.stride(0), w.scale.stride(0), s_bgs)
+        if decoded:
+            xd, wd = decode_nvfp4(x, bk), decode_nvfp4(w, bk)
+            args = (xd, xd, ags, wd, wd, bgs)
+            strides = (xd.stride(0), 0, s_ags, wd.stride(0), 0, s_bgs)
+        else:
+            args = (x.data, x.scale.view(torch.uint8), ags, w.data, w.scale.view(torch.uint8), bgs)
+            strides = (x.data.stride(0), x.scale.stride(0), s_ags, w.data.stride(0), w.scale.stride(0), s_bgs)
         dot_fp32 = False
     else:
         args = (x, x, x, w, w, w)
@@ -376,7 +443,7 @@ def gemm_triton(x, w, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torc
     _gemm_kernel[(tiles, chunks if split else 1)](
         *args, bias_arg, c, part, m, n, k, chunk_k, *strides, c.stride(0),
         FP4=fp4, DOT_FP32=dot_fp32, DOT_BY_SUM=interpreting() and not fp4, EVEN_K=k % bk == 0, HAS_BIAS=bias is not None,
-        CHUNKED=chunks > 1, SPLIT=split, **cfg,
+        CHUNKED=chunks > 1, SPLIT=split, DECODED=decoded, **cfg,
     )
     if split:
         cbm, cbn = (16, 32) if interpreting() else (32, 128)
