@@ -58,11 +58,11 @@ _E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_VALUES = torch.tensor(_E2M1_MAGNITUDES + tuple(-v for v in _E2M1_MAGNITUDES), dtype=torch.float32)
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_LUTS: dict = {}
+_LUTS: dict = {}  # lookup tables, copied to a device once (no host-to-device copy per call: CUDA graphs capture)
 
 
 def e2m1_values(device) -> torch.Tensor:
-    """E2M1_VALUES on `device`, copied once (no host-to-device copy per call, so CUDA graphs can capture)."""
+    """E2M1_VALUES on `device`."""
     device = torch.device(device)
     if device not in _LUTS:
         _LUTS[device] = E2M1_VALUES.to(device)
@@ -285,22 +285,38 @@ def quantize(
     return NVFP4Tensor(data, scale.reshape(rows_shape + (k // BLOCK,)), gs, shape)
 
 
-def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Decode to `dtype`: (code * block_scale) is exact in fp32, then one rounding for * global_scale."""
+def _pair_lut(device, dtype) -> torch.Tensor:
+    """[256, 2]: the two E2M1 values a packed byte holds (low nibble first), copied once per device/dtype."""
+    key = (torch.device(device), dtype)
+    if key not in _LUTS:
+        b = torch.arange(256)
+        _LUTS[key] = torch.stack((E2M1_VALUES[b & 0xF], E2M1_VALUES[b >> 4]), -1).to(key[0], dtype)
+    return _LUTS[key]
+
+
+def _code_times_scale(t: NVFP4Tensor, mid: torch.dtype) -> torch.Tensor:
+    """code * block scale in `mid` [..., K/16, 16]: one byte -> value-pair lookup, then the block scale in place.
+    Exact in fp32, and in bf16 too (a 2-bit times a 4-bit significand, exponents within bf16's range)."""
     k = t.shape[-1]
-    codes = unpack_codes(t.data)
-    vals = e2m1_values(t.device)[codes.long()].view(*t.shape[:-1], k // BLOCK, BLOCK)
-    vals = vals * t.scale.float().unsqueeze(-1)
-    gs = t.global_scale.unsqueeze(-1) if t.global_scale.dim() else t.global_scale
-    return (vals * gs).reshape(t.shape).to(dtype)
+    vals = _pair_lut(t.device, mid)[t.data.int()].reshape(*t.shape[:-1], k // BLOCK, BLOCK)
+    return vals.mul_(t.scale.to(mid).unsqueeze(-1))
+
+
+def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode to `dtype`: code * block_scale (exact), times the global scale in fp32 (one rounding), then
+    rounded to `dtype`. For a bf16 result the exact part is built in bf16 (half the bytes); the product
+    with the fp32 global scale is still taken in fp32 and written straight into `dtype`."""
+    vals = _code_times_scale(t, torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
+    # a dimensioned fp32 global scale, so the product is taken in fp32 (a 0-dim one would not promote)
+    gs = t.global_scale.unsqueeze(-1) if t.global_scale.dim() else t.global_scale.view(*([1] * vals.dim()))
+    out = torch.empty(vals.shape, dtype=dtype, device=vals.device)
+    torch.mul(vals, gs, out=out)
+    return out.view(t.shape)
 
 
 def dequantize_unscaled(t: NVFP4Tensor) -> torch.Tensor:
     """code * block_scale in fp32 (exact; no global scale): the operand the GEMMs multiply."""
-    k = t.shape[-1]
-    codes = unpack_codes(t.data)
-    vals = e2m1_values(t.device)[codes.long()].view(*t.shape[:-1], k // BLOCK, BLOCK)
-    return (vals * t.scale.float().unsqueeze(-1)).reshape(t.shape)
+    return _code_times_scale(t, torch.float32).reshape(t.shape)
 
 
 # ---------------------------------------------------------------------------------------------- RHT

@@ -102,7 +102,7 @@ def decode_nvfp4_pairs(packed, scale):
 
 
 @triton.jit
-def _decode_step(packed, scale_bytes, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+def decode_step(packed, scale_bytes, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """One BLOCK_K step of packed bytes [ROWS, BLOCK_K/2] and E4M3 scale bytes [ROWS, BLOCK_K/16] -> (even,
     odd) fp16 tiles [ROWS, BLOCK_K/2] of code * block scale: each block scale decoded once, then spread
     over its 8 bytes."""
@@ -162,8 +162,8 @@ def w4a4_tile(
             sa = tl.load(as_ptr + offs_m[:, None] * stride_asm + ks[None, :], mask=mask_m[:, None] & ks_ok[None, :], other=0)
             sb = tl.load(bs_ptr + offs_n[:, None] * stride_bsn + ks[None, :], mask=mask_n[:, None] & ks_ok[None, :], other=0)
         if not DECODED:
-            a_even, a_odd = _decode_step(a, sa, BLOCK_M, BLOCK_K)
-            b_even, b_odd = _decode_step(b, sb, BLOCK_N, BLOCK_K)
+            a_even, a_odd = decode_step(a, sa, BLOCK_M, BLOCK_K)
+            b_even, b_odd = decode_step(b, sb, BLOCK_N, BLOCK_K)
         if SWAP_AB:  # M <= 128: the weight tile is the MMA's first operand (kept in registers)
             acc_t = tl.dot(b_even, tl.trans(a_even), acc_t)
             acc_t = tl.dot(b_odd, tl.trans(a_odd), acc_t)
@@ -294,7 +294,7 @@ def _decode_kernel(p_ptr, s_ptr, o_ptr, R, K, stride_p, stride_s, stride_o,
     mask_r = offs_r < R
     packed = tl.load(p_ptr + offs_r[:, None] * stride_p + kp[None, :], mask=mask_r[:, None] & (kp < K // 2)[None, :], other=0)
     scale = tl.load(s_ptr + offs_r[:, None] * stride_s + ks[None, :], mask=mask_r[:, None] & (ks < K // 16)[None, :], other=0)
-    even, odd = _decode_step(packed, scale, BLOCK_R, BLOCK_K)
+    even, odd = decode_step(packed, scale, BLOCK_R, BLOCK_K)
     kh = k0 + tl.arange(0, BLOCK_K // 2)
     out = o_ptr + offs_r[:, None] * stride_o
     tl.store(out + kh[None, :], even, mask=mask_r[:, None])

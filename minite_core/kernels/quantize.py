@@ -1,4 +1,5 @@
-"""Fused NVFP4 activation quantize (Triton): fp32/bf16/fp16 rows -> packed E2M1 + E4M3 scales + global scale.
+"""Fused NVFP4 activation quantize (Triton): fp32/bf16/fp16 rows -> packed E2M1 + E4M3 scales + global scale;
+and its inverse, `dequantize_triton`.
 
 One program takes one row. In row mode it first reduces the row's amax (a row-local max, so the
 result cannot depend on the batch) and writes the row's global scale amax / 2688; then it walks K in
@@ -8,6 +9,10 @@ may lower to an approximate division on the GPU), the E4M3 rounding of the block
 fp32 bits (no reliance on the target's fp8 conversion), and E2M1 rounding counts thresholds with ties
 to even. The output is bit-identical to the torch backend, which tests check on CPU (interpreter)
 and GPU.
+
+Dequantize decodes with the GEMM's own decode (`gemm.decode_step`: code * block scale, exact in fp16),
+then multiplies by the global scale in fp32 and rounds once to the output dtype: `nvfp4.dequantize`'s
+arithmetic, in one pass over the packed bytes.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import triton.language as tl
 
 from .. import nvfp4
 from ..nvfp4 import BLOCK, NVFP4Tensor
+from .gemm import decode_step, interpreting
 
 _E2M1_MAX = tl.constexpr(nvfp4.E2M1_MAX)
 _E4M3_MAX = tl.constexpr(nvfp4.E4M3_MAX)
@@ -118,3 +124,43 @@ def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None) -> NVFP4
     out_gs = gs.reshape(lead + (1,)) if global_scale is None else global_scale
     return NVFP4Tensor(data.reshape(lead + (k // 2,)), scale.view(torch.float8_e4m3fn).reshape(lead + (k // BLOCK,)),
                        out_gs, shape)
+
+
+@triton.jit
+def _dequantize_kernel(p_ptr, s_ptr, gs_ptr, o_ptr, R, K, stride_p, stride_s, stride_gs, stride_o,
+                       BF16_BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """BF16_BITS: o_ptr is the bf16 output viewed as int16, rounded to nearest even on the fp32 bits, as
+    torch does (the interpreter's fp32 -> bf16 cast truncates; the GPU's would round as torch)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k0 = tl.program_id(1) * BLOCK_K
+    kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    ok = rows < R
+    packed = tl.load(p_ptr + rows[:, None] * stride_p + kp[None, :], mask=ok[:, None] & (kp < K // 2)[None, :], other=0)
+    scale = tl.load(s_ptr + rows[:, None] * stride_s + ks[None, :], mask=ok[:, None] & (ks < K // 16)[None, :], other=0)
+    even, odd = decode_step(packed, scale, BLOCK_R, BLOCK_K)
+    gs = tl.load(gs_ptr + rows * stride_gs, mask=ok, other=1.0)[:, None]
+    vals = tl.interleave(even.to(tl.float32) * gs, odd.to(tl.float32) * gs)  # element 2j, then 2j + 1
+    if BF16_BITS:  # (values are finite: no NaN to keep)
+        bits = vals.to(tl.int32, bitcast=True)
+        vals = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
+    k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(o_ptr + rows[:, None] * stride_o + k[None, :], vals.to(o_ptr.dtype.element_ty), mask=ok[:, None] & (k < K)[None, :])
+
+
+def dequantize_triton(t: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`nvfp4.dequantize(t, dtype)`, the same bits, in one kernel."""
+    k = t.shape[-1]
+    data = t.data.reshape(-1, k // 2)
+    scale = t.scale.view(torch.uint8).reshape(-1, k // BLOCK)
+    r = data.shape[0]
+    gs = t.global_scale.reshape(-1)
+    out = torch.empty(r, k, dtype=dtype, device=data.device)
+    if r:
+        bf16_bits = dtype == torch.bfloat16  # (the same code on the GPU as under the CPU tests' interpreter)
+        block_r, block_k = (16, 64) if interpreting() else (32, 256)
+        _dequantize_kernel[(triton.cdiv(r, block_r), triton.cdiv(k, block_k))](
+            data, scale, gs, out.view(torch.int16) if bf16_bits else out, r, k, data.stride(0), scale.stride(0),
+            0 if t.global_scale.dim() == 0 else 1, out.stride(0),
+            BF16_BITS=bf16_bits, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+    return out.view(t.shape)

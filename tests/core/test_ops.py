@@ -160,6 +160,29 @@ def test_w4a4_gemm_rows_do_not_depend_on_the_tile_config(wkind, n, k, chunks):
     assert ((got - exact).abs() / (mag + 1e-30)).max().item() < k * 2**-24
 
 
+@pytest.mark.gpu if HAS_CUDA else pytest.mark.interpreter
+@pytest.mark.skipif(not HAS_TRITON, reason="triton missing")
+@pytest.mark.parametrize("n,k,chunks", INVARIANCE_SHAPES, ids=lambda v: str(v))
+def test_wide_tiles_on_decoded_operands_equal_the_packed_kernel(monkeypatch, n, k, chunks):
+    """M > 128 decodes both operands once (`decode_nvfp4`: fp16 code * scale, each K step's evens then its
+    odds) and runs the same tile on them: the bits of the tile that decodes the packed bytes itself."""
+    from minite_core.kernels import gemm
+
+    w = _weights(n, k, seed=41)["nvfp4-tensor"]
+    xq = nvfp4.quantize(_rand(200, k, seed=42) * torch.logspace(-4, 2, 200).unsqueeze(1))
+    assert gemm.gemm_config(200, n, k, True)["DECODED"]
+    decoded = gemm.gemm_triton(xq, w, None, torch.float32)
+    monkeypatch.setattr(gemm, "DECODE_WIDE", False)
+    assert not gemm.gemm_config(200, n, k, True)["DECODED"]
+    assert torch.equal(decoded, gemm.gemm_triton(xq, w, None, torch.float32))
+    # the decoded layout: code * block scale, each K step as its even elements then its odd ones, zeros past K
+    bk = 64 if gemm.interpreting() else gemm.FP4_BLOCK_K
+    d = gemm.decode_nvfp4(w, bk)
+    full = torch.nn.functional.pad(nvfp4.dequantize_unscaled(w), (0, d.shape[1] - k))
+    assert d.dtype == torch.float16 and d.shape == (n, -(-k // bk) * bk)
+    assert torch.equal(d.float(), full.view(n, -1, bk // 2, 2).transpose(2, 3).reshape(n, -1))
+
+
 def _nvfp4_abs(t):
     """The same NVFP4 tensor with every sign bit cleared."""
     return nvfp4.NVFP4Tensor(t.data & 0x77, t.scale, t.global_scale, t.shape)
@@ -320,3 +343,36 @@ def test_unknown_backend(monkeypatch):
         ops.resolve_backend()
     monkeypatch.setenv("MINITE_BACKEND", "torch")
     assert ops.resolve_backend() == "torch"
+
+
+def _dequantize_by_definition(t, dtype):
+    """code -> E2M1 value by table, times the E4M3 block scale, both exact in fp32; times the global scale
+    in fp32 (one rounding); then rounded to dtype."""
+    codes = nvfp4.unpack_codes(t.data).long()
+    vals = nvfp4.E2M1_VALUES[codes.cpu()].to(t.data.device).view(*t.shape[:-1], t.shape[-1] // 16, 16)
+    vals = vals * t.scale.float().unsqueeze(-1)
+    gs = t.global_scale.unsqueeze(-1) if t.global_scale.dim() else t.global_scale
+    return (vals * gs).reshape(t.shape).to(dtype)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("scale_mode", ["row", "tensor"])
+def test_dequantize_is_the_definition_on_both_backends(backend, dtype, scale_mode):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(24, 272, generator=g) * torch.logspace(-6, 3, 24).unsqueeze(1)  # tiny rows: subnormal scales
+    x[3, :16] = 0.0  # a zero block
+    x[5, 7] = -x[5].abs().max() * 4  # a saturated code in a row
+    x3 = torch.randn(2, 5, 48, generator=g)  # leading dimensions, K not a multiple of the kernel's K tile
+    for src in (x, x3):
+        t = ops.quantize(src.to(DEVICE), scale_mode=scale_mode, backend="torch")
+        out = ops.dequantize(t, dtype, backend=backend)
+        want = _dequantize_by_definition(t, dtype)
+        assert out.dtype == dtype and out.shape == src.shape
+        bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}[dtype]
+        assert torch.equal(out.view(bits), want.view(bits))
+
+
+def test_dequantize_refuses_what_is_not_nvfp4():
+    with pytest.raises(TypeError, match="NVFP4Tensor"):
+        ops.dequantize(torch.ones(2, 16))

@@ -1,0 +1,91 @@
+"""The backward of `ops.linear`: gradients need not match anything bit for bit (only the forward must
+equal the rollout's), so they are free to trade exactness for speed. Recipes (`backward=`):
+
+- "ste" (default): straight-through on the dequantized operands, bf16-rounded, fp32 accumulation (NeMo-RL /
+  Transformer Engine's "dequantized" backward): dgrad = g @ deq(W), wgrad = g.T @ deq(Q(x)), with Q(x) the
+  forward's own quantized activation (saved instead of x: 4.5 bits per value instead of 16).
+  On the GPU (`ste_cuda`): bf16 operands, cuBLAS on transposed views, fp32 accumulation. On the CPU
+  (`ste_cpu`): the fixed-order torch GEMM, so a resumed run has the bits of an uninterrupted one.
+- "nvfp4": NVIDIA's NVFP4 training recipe (`nvfp4_recipe`): gradients quantized with stochastic rounding,
+  a random Hadamard transform on wgrad's operands.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import nvfp4, reference
+from .nvfp4 import NVFP4Tensor
+
+BACKWARDS = ("ste", "nvfp4")
+
+
+def pad_rows16(t: torch.Tensor) -> torch.Tensor:
+    """Zero-pad the last dimension to a multiple of 16 (zeros add nothing to the sums over it)."""
+    pad = (-t.shape[-1]) % 16
+    return torch.nn.functional.pad(t, (0, pad)) if pad else t
+
+
+def _bwd_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, R] @ b [N, R].T for the CPU backward, fp32, in the fixed-order torch GEMM: MKL's results can
+    depend on buffer alignment, so they differ between processes and a resumed run would drift from an
+    uninterrupted one. (The GPU backward is `ste_cuda`.)"""
+    return reference.mm_plain(pad_rows16(a), pad_rows16(b))
+
+
+def ste_cpu(g2: torch.Tensor, x2: torch.Tensor | None, w, xq: NVFP4Tensor | None):
+    """Straight-through on the dequantized operands, bf16-rounded, fp32 accumulation (NeMo-RL/TE's
+    "dequantized" backward): dgrad = g @ deq(W), wgrad = g.T @ deq(Q(x)), with Q(x) the forward's own
+    quantized activation (saved instead of x: 4.5 bits per value instead of 16). The CPU path (fixed-order
+    `reference.mm_plain`, fp32 operands); the GPU has `ste_cuda`."""
+    gb = g2.to(torch.bfloat16).float()
+    if isinstance(w, NVFP4Tensor):
+        wd = w.dequantize(torch.bfloat16).float()
+        xd = xq.dequantize(torch.bfloat16).float()
+    else:
+        wd, xd = w.float(), x2.float()
+    return _bwd_mm(gb, wd.T.contiguous()), _bwd_mm(gb.T.contiguous(), xd.T.contiguous())
+
+
+def ste_cuda(g2: torch.Tensor, x2: torch.Tensor | None, w, xq: NVFP4Tensor | None,
+             x_dtype: torch.dtype | None, w_dtype: torch.dtype | None, dequantize=nvfp4.dequantize):
+    """`ste_cpu` on the GPU without fp32 round trips or materialized transposes: g as bf16 (a bf16
+    grad_out is used as is), the operands dequantized straight to bf16, cuBLAS on transposed views with
+    fp32 accumulation. grad_x comes out in x's dtype when that is bf16 (one rounding of the fp32
+    accumulator, as the old fp32 result `.to(bf16)`), else fp32; grad_w in fp32 for fp32 masters, bf16
+    for bf16 weights. x_dtype / w_dtype None: that gradient is not needed (not computed)."""
+    bf16, f32 = torch.bfloat16, torch.float32
+    gb = g2.to(bf16)
+    if isinstance(w, NVFP4Tensor):
+        wd = dequantize(w, bf16) if x_dtype is not None else None
+        xd = dequantize(xq, bf16) if w_dtype is not None else None
+    elif w.dtype == bf16 and x2.dtype == bf16:
+        wd, xd = w, x2
+    else:  # fp32/fp16 plain operands: fp32 SIMT matmul on the bf16-rounded gradient, as before
+        gb, wd, xd = gb.float(), w.float(), x2.float()
+
+    def mm(a, b, dtype):
+        if not a.is_cuda:  # (tests on CPU: the same operands, fp32 accumulation, one rounding to `dtype`)
+            return torch.mm(a.float(), b.float()).to(dtype if dtype == a.dtype else f32)
+        if a.dtype == f32 or dtype == a.dtype:
+            return torch.mm(a, b)
+        return torch.mm(a, b, out_dtype=f32)
+
+    grad_x = mm(gb, wd, x_dtype) if x_dtype is not None else None  # [M, N] @ [N, K]
+    grad_w = mm(gb.T, xd, w_dtype) if w_dtype is not None else None  # [N, M] @ [M, K]
+    return grad_x, grad_w
+
+
+def nvfp4_recipe(g2: torch.Tensor, x2: torch.Tensor, w: NVFP4Tensor):
+    """NVIDIA's NVFP4 training recipe: gradients quantized to NVFP4 with stochastic rounding; dgrad
+    against the same (2-D block scaled) weight; wgrad with a random Hadamard transform along the token
+    dimension on both operands, so the rotation cancels in the product."""
+    wt = w.dequantize(torch.float32).T.contiguous()  # [K, N]: valid for dgrad when w was quantized block_2d
+    wq_t = nvfp4.quantize(wt, scale_mode="tensor", check_finite=False)
+    gq = nvfp4.quantize(g2, rounding="stochastic", check_finite=False)
+    grad_x = reference.mm_nvfp4(gq, wq_t)
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    gt = nvfp4.rht(pad_rows16(g2.T.contiguous()), seed)  # [N, M16]
+    xt = nvfp4.rht(pad_rows16(x2.float().T.contiguous()), seed)  # [K, M16]
+    grad_w = reference.mm_nvfp4(nvfp4.quantize(gt, rounding="stochastic", check_finite=False),
+                                nvfp4.quantize(xt, check_finite=False))
+    return grad_x, grad_w
