@@ -169,7 +169,7 @@ def test_wide_tiles_on_decoded_operands_equal_the_packed_kernel(monkeypatch, n, 
     from minite_core.kernels import gemm
 
     w = _weights(n, k, seed=41)["nvfp4-tensor"]
-    xq = nvfp4.quantize(_rand(200, k, seed=42) * torch.logspace(-4, 2, 200).unsqueeze(1))
+    xq = nvfp4.quantize(_rand(200, k, seed=42) * torch.logspace(-4, 2, 200, device=DEVICE).unsqueeze(1))
     assert gemm.gemm_config(200, n, k, True)["DECODED"]
     decoded = gemm.gemm_triton(xq, w, None, torch.float32)
     monkeypatch.setattr(gemm, "DECODE_WIDE", False)
