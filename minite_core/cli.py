@@ -162,6 +162,15 @@ def _build_model(args) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("minite")
+    except PackageNotFoundError:  # a checkout that was not installed
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in SERVICES:
@@ -171,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         return getattr(importlib.import_module(module), fn or "main")(argv[1:])
     ap = argparse.ArgumentParser(prog="minite", description="miniTE: NVFP4 RL with bitwise-consistent engines; "
                                  "also `minite train|export|rollout|learner|up --help`")
+    ap.add_argument("--version", action="version", version=f"minite {_version()}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="W4A4 linear: accuracy and batch invariance on random data")
     demo.add_argument("--backend", choices=["torch", "triton"], default="torch")

@@ -171,6 +171,24 @@ def _messages(messages) -> list[dict]:
     return out
 
 
+def _unicode_to_byte() -> dict[str, int]:
+    """The inverse of GPT-2's bytes_to_unicode (byte-level BPE writes each byte as one printable character)."""
+    global _U2B
+    if _U2B is None:
+        bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+        cs, n = bs[:], 0
+        for b in range(256):
+            if b not in bs:
+                bs.append(b)
+                cs.append(256 + n)
+                n += 1
+        _U2B = {chr(c): b for b, c in zip(bs, cs)}
+    return _U2B
+
+
+_U2B: dict | None = None
+
+
 class Tokenizer:
     """An HF tokenizer folder (see the module docstring). Build with `Tokenizer.from_dir(path)`."""
 
@@ -216,6 +234,23 @@ class Tokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token i stands for (OpenAI's logprobs `bytes`): a byte-level BPE token's characters mapped
+        back through GPT-2's byte table, a byte-fallback token <0xAB> its byte, else its decoded text."""
+        piece = self._tok.id_to_token(i)
+        if piece is None:
+            return b""
+        if type(self._tok.decoder).__name__ == "ByteLevel":
+            table = _unicode_to_byte()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return self.decode([i], skip_special_tokens=False).encode("utf-8")
 
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)

@@ -36,13 +36,13 @@ class UpSettings(RunConfig):
     run_dir: Path = Field(Path("runs/up"), description="logs, the learner's run (learner/), Prometheus data")
     replicas: int = Field(1, ge=1, le=16, description="rollout replicas: the learner spreads prompts over them and "
                                                       "pushes every weight version to all of them")
-    host: str = "127.0.0.1"
-    rollout_grpc_port: int = Field(50051, ge=1, le=65535)
-    rollout_http_port: int = Field(8000, ge=1, le=65535)
-    learner_grpc_port: int = Field(50052, ge=1, le=65535)
-    learner_http_port: int = Field(8001, ge=1, le=65535)
+    host: str = Field("127.0.0.1", description="the address every service listens on")
+    rollout_grpc_port: int = Field(50051, ge=1, le=65535, description="the first rollout replica's gRPC port")
+    rollout_http_port: int = Field(8000, ge=1, le=65535, description="the first rollout replica's HTTP port (REST, /metrics)")
+    learner_grpc_port: int = Field(50052, ge=1, le=65535, description="the learner's gRPC port")
+    learner_http_port: int = Field(8001, ge=1, le=65535, description="the learner's HTTP port (REST, /metrics)")
     prometheus: bool = Field(True, description="start Prometheus when the binary is installed")
-    prometheus_port: int = Field(9090, ge=1, le=65535)
+    prometheus_port: int = Field(9090, ge=1, le=65535, description="the Prometheus server's port (with --prometheus)")
     scrape_interval: str = Field("2s", description="Prometheus scrape interval")
     keep_running: bool = Field(False, description="leave the services and Prometheus up after training (Ctrl-C stops)")
     startup_timeout: float = Field(300.0, gt=0, description="seconds to wait for each service to be ready")
@@ -119,14 +119,19 @@ class Proc:
 
 
 def _scrape(url: str, *names: str) -> list[float]:
-    """Values of unlabelled Prometheus samples (NaN when the endpoint or the sample is missing)."""
+    """Values of Prometheus samples, summed over their label sets (model_name, ...); NaN when the endpoint or
+    the sample is missing."""
     import urllib.request
 
     try:
         text = urllib.request.urlopen(url, timeout=5).read().decode()
     except OSError:
         return [float("nan")] * len(names)
-    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name = line.split("{")[0].split()[0]
+            values[name] = values.get(name, 0.0) + float(line.rsplit(None, 1)[1])
     return [values.get(n, float("nan")) for n in names]
 
 
@@ -225,7 +230,7 @@ def up(s: UpSettings) -> int:
             print(f"greedy eval reward: {sm['before']['eval/reward']:.3f} -> {sm['after']['eval/reward']:.3f}", flush=True)
         print(f"max rollout/learner |Δlogp| over {len(hist)} steps: {drift:g}", flush=True)
         for i, (g, h) in enumerate(replicas):
-            tokens, version = _scrape(f"http://{s.host}:{h}/metrics", "minite_generated_tokens_total", "minite_weight_version")
+            tokens, version = _scrape(f"http://{s.host}:{h}/metrics", "minite_generation_tokens_total", "minite_weight_version")
             print(f"rollout replica {i} ({s.host}:{g}): {tokens:.0f} tokens sampled, serving weight version {version:.0f}",
                   flush=True)
         print(f"learner metrics: {s.run_dir / 'learner' / 'metrics.jsonl'}, plot: {s.run_dir / 'learner' / 'reward_drift.png'}",

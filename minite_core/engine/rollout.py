@@ -39,12 +39,14 @@ import torch
 
 from ..model.qwen3 import KVCache, Qwen3
 from .graphs import DecodeGraphs, graph_capturable
-from .sampler import sample_batch, seed_key
+from .learner import Learner
+from .sampler import sample_batch, seed_key, top_alternatives
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
 
 
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3  # beyond these, logits / T overflow or flatten to nothing
+MAX_TOP_LOGPROBS = 20  # alternatives per token (as vLLM and OpenAI allow)
 
 
 def check_temperature(t) -> float:
@@ -64,6 +66,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple = ()
     n: int = 1
+    logprobs: int = 0  # the N most likely tokens reported with each sampled one (OpenAI's top_logprobs), <= 20
 
     def validate(self) -> None:
         if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
@@ -75,6 +78,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not (isinstance(self.n, int) and self.n >= 1):
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"logprobs (top alternatives) must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
 
 
 @dataclasses.dataclass
@@ -86,6 +91,7 @@ class Completion:
     weight_version: int
     request_index: int = 0
     sample_index: int = 0
+    top_logprobs: list | None = None  # per token, [(token id, logprob), ...] most likely first (params.logprobs > 0)
 
 
 @dataclasses.dataclass
@@ -98,6 +104,7 @@ class _Seq:
     seed_key: int = 0
     tokens: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
+    top: list = dataclasses.field(default_factory=list)  # per token: [(id, logprob), ...] (params.logprobs > 0)
     slot: int = -1
     finish: str | None = None
 
@@ -126,7 +133,8 @@ class Request:
 
     def completions(self) -> list[Completion]:
         return [Completion(self.prompt, q.tokens, torch.tensor(q.logprobs, dtype=torch.float32),
-                           q.finish, self.version, self.index, q.sample_index) for q in self.seqs]
+                           q.finish, self.version, self.index, q.sample_index,
+                           list(q.top) if self.params.logprobs else None) for q in self.seqs]
 
 
 def _available_bytes(device: torch.device) -> int | None:
@@ -244,6 +252,17 @@ class RolloutEngine:
         self.waiting.extend(req.seqs)
         return req
 
+    def prompt_logprobs(self, req: Request) -> list[float]:
+        """The logprobs of the request's prompt tokens after the first (vLLM's prompt_logprobs), under the
+        weights and temperature the request was sampled with (1 for greedy): the learner engine's
+        definition, computed by it (`Learner.logprobs`) on this engine's model."""
+        if len(req.prompt) < 2:
+            return []
+        self.model.w = req.weights  # (as `_forward`: the model computes with the weights it is handed)
+        t = req.params.temperature if req.params.temperature > 0 else 1.0
+        with torch.no_grad():
+            return Learner(self.model).logprobs(req.prompt[:1], req.prompt[1:], t).tolist()
+
     def cancel(self, req: Request) -> None:
         """Stop a request's unfinished sequences (finish_reason "abort"); its slots free at once."""
         for q in req.seqs:
@@ -300,6 +319,10 @@ class RolloutEngine:
         rows = [(q.params.temperature, q.params.top_k, q.params.top_p, q.seed_key, len(q.tokens)) for q in seqs]
         tokens, logprobs = sample_batch(logits, rows, self.model.backend)
         both = torch.stack([tokens.double(), logprobs.double()]).tolist()  # one sync; fp32 -> fp64 is exact
+        wants = [i for i, q in enumerate(seqs) if q.params.logprobs]
+        if wants:  # (a second sync, only for requests that asked for alternatives)
+            for i, top in zip(wants, top_alternatives(logits, wants, [seqs[i].params for i in wants], self.model.backend)):
+                seqs[i].top.append(top)
         for q, tok, lp in zip(seqs, both[0], both[1]):
             self._append(q, int(tok), lp)
 

@@ -107,3 +107,19 @@ def sample_batch(logits: torch.Tensor, rows: list, backend: str) -> tuple[torch.
         else:
             logprobs.index_copy_(0, sel, lp)
     return tokens, logprobs
+
+
+def top_alternatives(logits: torch.Tensor, rows: list[int], params: list, backend: str) -> list[list[tuple[int, float]]]:
+    """The params[j].logprobs most likely tokens of logits row rows[j], each with its logprob at the row's
+    temperature (1 for greedy), most likely first (ties: the smaller id). Each logprob comes from
+    `ops.token_logprobs`, the function the sampled token's logprob and the learner's come from, so an
+    alternative's logprob is bit for bit what the learner would report had that token been sampled."""
+    out = []
+    for i, p in zip(rows, params):
+        row = logits[i:i + 1]
+        t = p.temperature if p.temperature > 0 else 1.0
+        # (the order of logits / t is the order of the logits; a stable sort puts the smaller id first on ties)
+        ids = torch.sort(row[0].float(), descending=True, stable=True).indices[:p.logprobs]
+        lps = ops.token_logprobs(row.repeat(len(ids), 1), ids, t, backend=backend)
+        out.append(list(zip(ids.tolist(), lps.tolist())))
+    return out

@@ -89,18 +89,18 @@ class RunConfig(BaseSettings):
     max_prompt_length: int = Field(512, ge=1, description="longer prompts are skipped (and counted in the log)")
     max_completion_length: int | None = Field(None, ge=1, description="tokens sampled per completion (default: the "
                                               "dataset's own: 4 for addition, else 256)")
-    temperature: float = Field(1.0, gt=0, le=100)
-    top_p: float = Field(1.0, gt=0, le=1)
-    learning_rate: float = Field(5e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, gt=0, le=100, description="sampling temperature of the rollouts (and of their logprobs)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling of the rollouts: keep the most likely tokens up to this mass")
+    learning_rate: float = Field(5e-4, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    max_grad_norm: float = Field(1.0, gt=0, description="clip the gradient's global norm to this")
     beta: float = Field(0.0, ge=0, description="KL penalty to the initial policy (0: no reference model)")
-    epsilon: float = Field(0.2, ge=0)
+    epsilon: float = Field(0.2, ge=0, description="PPO clip range of the importance ratio (lower side; and upper unless epsilon_high)")
     epsilon_high: float | None = Field(None, ge=0, description="upper clip (DAPO's clip-higher); unset: = epsilon")
     loss_type: str = Field("grpo", description="grpo, dapo or dr_grpo")
     scale_rewards: bool = Field(True, description="divide advantages by the group's reward std")
     rollout_correction: str | None = Field("tis", description="tis, mis_token, mis_seq or none")
-    tis_cap: float = Field(2.0, ge=1)
+    tis_cap: float = Field(2.0, ge=1, description="truncation of the rollout-correction importance weights")
     seed: int = Field(0, description="sampling seeds and the order of the dataset's rows")
     # -- the run -------------------------------------------------------------------------------------
     run_dir: Path = Field(Path("runs/train"), description="metrics.jsonl, checkpoints, the trajectory log, the plot")
@@ -216,7 +216,8 @@ def load(cls: type[BaseSettings], argv: list[str], prog: str, *, defaults: dict 
             raise ConfigError(f"{path}: unknown key(s) {', '.join(unknown)} (see `{prog} --help`)")
     try:
         cli = CliSettingsSource(cls, cli_parse_args=argv, cli_prog_name=prog, cli_kebab_case=True,
-                                cli_implicit_flags=True, cli_exit_on_error=False)()
+                                cli_implicit_flags=True, cli_exit_on_error=False, cli_hide_none_type=True,
+                                add_argument_method=_add_argument)()
     except SettingsError as e:
         raise ConfigError(str(e)) from None
     env = _env(cls)
@@ -234,6 +235,19 @@ def load(cls: type[BaseSettings], argv: list[str], prog: str, *, defaults: dict 
                  + (f" (got {err['input']!r})" if err["type"] not in ("missing", "value_error") else "")
                  for err in e.errors()]
         raise ConfigError("invalid settings\n  " + "\n  ".join(lines)) from None
+
+
+# --help shows what a flag takes in words, not Python type names ({Path,null}, list[str], dict[str,str])
+_METAVARS = {"int": "N", "float": "X", "str": "TEXT", "Path": "PATH", "SecretStr": "TOKEN", "dict": "JSON",
+             "dict[str,str]": "JSON", "list[str]": "TEXT ...", "list[int]": "N ...", "list[float]": "X ..."}
+
+
+def _add_argument(parser, *names, **kw):
+    """argparse's add_argument, with the metavar pydantic-settings derives from the type made readable."""
+    meta = kw.get("metavar")
+    if isinstance(meta, str):
+        kw["metavar"] = _METAVARS.get(meta.strip("{}").removesuffix(",null").removeprefix("null,"), meta)
+    return parser.add_argument(*names, **kw)
 
 
 def _env(cls) -> dict:

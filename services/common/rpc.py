@@ -92,6 +92,23 @@ def message_options(max_mb: int) -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", max_mb * MB), ("grpc.max_send_message_length", max_mb * MB)]
 
 
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def add_reflection(server, service_names: list[str]) -> None:
+    """Server reflection, v1 and v1alpha (grpcurl and Postman ask for v1, older tools for v1alpha).
+    grpcio-reflection ships only v1alpha; v1 is the same protocol with the same messages under another
+    package name, so its method is served by the same servicer (the bytes on the wire are identical)."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    servicer = reflection.ReflectionServicer(service_names + [reflection.SERVICE_NAME, REFLECTION_V1])
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    v1 = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo, request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": v1}),))
+
+
 def make_server(settings, service_names: list[str], add_servicers, *, protected: set[str], workers: int = 32):
     """A started gRPC server on settings.host:settings.grpc_port with health (SERVING for every service)
     and reflection; `add_servicers(server)` registers ours. Returns (server, bound port, health servicer)."""
@@ -104,7 +121,7 @@ def make_server(settings, service_names: list[str], add_servicers, *, protected:
     add_servicers(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(service_names + [health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    add_reflection(server, service_names + [health.SERVICE_NAME])
     address = f"{settings.host}:{settings.grpc_port}"
     try:
         if settings.tls_cert:

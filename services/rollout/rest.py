@@ -1,7 +1,10 @@
 """The rollout service's REST API (FastAPI): OpenAI-compatible completions and chat completions.
 
-POST /v1/completions, POST /v1/chat/completions (logprobs, `stream: true` as server-sent events, seed,
-n, stop, plus vLLM's top_k and stop_token_ids), GET /v1/models, GET /v1/weight_version, GET /health,
+POST /v1/completions, POST /v1/chat/completions (logprobs with up to 20 alternatives per token, echo with the
+prompt's logprobs, several prompts per completions call, text content parts, `stream: true` as server-sent
+events with `stream_options.include_usage`, seed, n, stop, plus vLLM's top_k and stop_token_ids; parameters
+that would change the sampled distribution or ask for unserved output are a 400 naming them: UNSERVED and
+docs/openai-api.md), GET /v1/models, GET /v1/weight_version, GET /health,
 GET /metrics (Prometheus), the OpenAPI schema at /openapi.json. Every response carries the token ids
 of the prompt and of each completion (as vLLM's `return_token_ids`) and the weight version used (as
 SGLang's `weight_version`). Errors are OpenAI-shaped: {"error": {"message", "type", "code"}} with 400
@@ -28,6 +31,11 @@ tokenized; a token-id prompt longer than the context is refused before its ids a
 `stop_token_ids` are bounded (--max-stop, --max-stop-chars, --max-stop-token-ids). Tokenizing and
 rendering the chat template run on a worker thread, so /health and the other requests keep being answered.
 
+Streaming. Each chunk carries the text that can no longer change: a trailing piece of a multi-byte UTF-8
+character (decoded as U+FFFD) and a trailing part that could still become a stop string are held back
+(vLLM's incremental detokenization), so the streamed text is exactly the text of the same request served
+whole.
+
 Stopping. As vLLM: generation stops on the model's eos ids (generation_config.json's eos_token_id, else
 config.json's, else the tokenizer's eos_token) and on `stop_token_ids` / `stop` strings; `ignore_eos: true`
 turns the eos ids off (not stop_token_ids).
@@ -48,7 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minite_core.engine import SamplingParams
-from minite_core.engine.rollout import MAX_TEMPERATURE, MIN_TEMPERATURE
+from minite_core.engine.rollout import MAX_TEMPERATURE, MAX_TOP_LOGPROBS, MIN_TEMPERATURE
 from minite_core.tokenizer import ChatTemplateError
 
 from ..common.http import MIB, BodyLimit, is_json, strip_422
@@ -130,6 +138,29 @@ class InputBounds:
                                  "(--max-stop-chars)")
 
 
+# OpenAI/vLLM parameters this service does not serve. Each is accepted at its neutral value and refused (400,
+# naming it) otherwise, never ignored. The first four change the distribution tokens are drawn from, so the
+# sampled tokens would no longer come from the policy whose logprobs the learner computes (the consistency
+# promise: docs/consistency.md); the others ask for output this service does not produce.
+UNSERVED = {
+    "presence_penalty": ((None, 0, 0.0), "it would change the sampled distribution away from the policy's"),
+    "frequency_penalty": ((None, 0, 0.0), "it would change the sampled distribution away from the policy's"),
+    "repetition_penalty": ((None, 1, 1.0), "it would change the sampled distribution away from the policy's"),
+    "logit_bias": ((None, {}), "it would change the sampled distribution away from the policy's"),
+    "response_format": ((None, {"type": "text"}), "structured output is not served"),
+    "tools": ((None, []), "tool calls are not served"),
+    "tool_choice": ((None, "none"), "tool calls are not served"),
+    "functions": ((None, []), "function calls are not served"),
+    "function_call": ((None, "none"), "function calls are not served"),
+    "suffix": ((None, ""), "insertion (suffix) is not served"),
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    include_usage: bool = Field(False, description="a last chunk with the request's usage and no choices")
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(strict=True)  # no coercion: "3" is not an integer, 1 is not a boolean
 
@@ -146,6 +177,17 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = Field(False, description="vLLM extension: do not stop on the model's eos token ids")
     stream: bool = False
+    stream_options: StreamOptions | None = None
+    best_of: int | None = Field(None, description="must equal n when given (no server-side ranking)")
+    presence_penalty: Any = Field(None, description="not served: only 0")
+    frequency_penalty: Any = Field(None, description="not served: only 0")
+    repetition_penalty: Any = Field(None, description="not served: only 1")
+    logit_bias: Any = Field(None, description="not served: only {}")
+    response_format: Any = Field(None, description='not served: only {"type": "text"}')
+    tools: Any = Field(None, description="not served: only []")
+    tool_choice: Any = Field(None, description='not served: only "none"')
+    functions: Any = Field(None, description="not served: only []")
+    function_call: Any = Field(None, description='not served: only "none"')
 
     @field_validator("temperature", "top_p")
     @classmethod
@@ -161,11 +203,29 @@ class _Sampling(BaseModel):
             raise ValueError("token ids must be >= 0")
         return v
 
+    def refuse_unserved(self) -> None:
+        """400 naming the first parameter set to a value this service does not serve (UNSERVED)."""
+        for name, (neutral, why) in UNSERVED.items():
+            v = getattr(self, name, None)
+            if not any(v is None if x is None else (v == x and not isinstance(v, bool)) for x in neutral):
+                raise ApiError(400, f"{name}={json.dumps(v)[:80]} is not served: {why} (send "
+                               f"{json.dumps(neutral[1])} or leave it out)")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ApiError(400, f"best_of={self.best_of} is not served: only best_of == n ({self.n}); the service "
+                           "does not rank candidates")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream: true")
+
+    def top(self) -> int:
+        """How many alternatives to report per token (0: none)."""
+        return 0
+
     def sampling(self, eos: tuple[int, ...] = ()) -> SamplingParams:
         """`eos`: the model's eos ids, added to stop_token_ids unless ignore_eos."""
         stop_ids = tuple(self.stop_token_ids or ()) + (() if self.ignore_eos else tuple(eos))
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, n=self.n, stop_token_ids=tuple(dict.fromkeys(stop_ids)))
+                              top_k=self.top_k, seed=self.seed, n=self.n, stop_token_ids=tuple(dict.fromkeys(stop_ids)),
+                              logprobs=self.top())
 
     def stops(self) -> tuple[str, ...]:
         s = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -175,27 +235,61 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] = Field(..., description="text, or token ids")
-    logprobs: int | None = Field(None, ge=0, description="include the sampled tokens' logprobs (any value >= 0)")
-    echo: bool = False
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        ..., description="text, token ids, or a list of either (several prompts: choice index = prompt * n + sample)")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="the sampled tokens' logprobs and the "
+                                 f"`logprobs` most likely alternatives of each (0 .. {MAX_TOP_LOGPROBS})")
+    echo: bool = Field(False, description="prepend the prompt to the text (and, with logprobs, its tokens' logprobs)")
+    suffix: Any = Field(None, description='not served: only ""')
+
+    def top(self) -> int:
+        return self.logprobs or 0
+
+    def prompts(self) -> list:
+        """The prompts of the request: one text or id list, or several."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return list(p)
+        return [p]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    type: str = Field(..., description='"text" (other part types are not served)')
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True)
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str
+    content: str | list[TextPart] = Field(..., description="a string, or a list of text parts (joined with newlines)")
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        for i, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise ApiError(400, f"content part {i} has type {part.type!r}: only text parts are served")
+        return "\n".join(part.text for part in self.content)
 
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, description="OpenAI's newer name for max_tokens (wins if set)")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=0, description="only the sampled token's logprob is available")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="with logprobs: the most likely "
+                                     f"alternatives of each token (0 .. {MAX_TOP_LOGPROBS})")
     add_generation_prompt: bool = Field(True, description="vLLM extension: end the prompt with the template's "
                                         "assistant header")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM extension: extra variables for the "
                                                         "chat template, e.g. {\"enable_thinking\": false}")
+
+    def top(self) -> int:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else 0
 
 
 def build_app(rt: RolloutRuntime) -> FastAPI:
@@ -253,8 +347,8 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
     def chat_prompt(body: ChatRequest) -> list[int]:
         """The chat template rendered to ids (as the learner's); without one, the contents concatenated."""
         if rt.tokenizer is None or rt.tokenizer.chat_template is None:
-            return tokens_of("".join(m.content for m in body.messages))
-        messages = [m.model_dump() for m in body.messages]
+            return tokens_of("".join(m.text() for m in body.messages))
+        messages = [dict(m.model_dump(), content=m.text()) for m in body.messages]
         kwargs = body.chat_template_kwargs or {}
         for k in ("messages", "add_generation_prompt"):
             if k in kwargs:
@@ -272,10 +366,27 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
     def piece(tok: int) -> str:
         return rt.tokenizer.id_to_token(tok) or "" if rt.tokenizer is not None else ""
 
-    async def start(body: _Sampling, prompt: list[int], events: asyncio.Queue | None):
-        """Submit; returns (request, a future done when every choice finished)."""
+    def token_bytes(tok: int) -> list[int]:
+        return list(rt.tokenizer.token_bytes(tok)) if rt.tokenizer is not None else []
+
+    def offsets(ids, start: int = 0) -> list[int]:
+        """text_offset: where each token's text begins in the decoded text (from `start`)."""
+        out, text = [], ""
+        for k in range(len(ids)):
+            out.append(start + len(text))
+            text = text_of(ids[: k + 1])
+        return out
+
+    def check(body: _Sampling) -> None:
+        """Refusals that need no tokenizing: the model, unserved parameters, top-N bounds."""
         if body.model not in (None, "", name):
             raise ApiError(404, f"unknown model {body.model!r}; this service serves {name!r}", "model_not_found")
+        body.refuse_unserved()
+        body.top()
+
+    async def start(body: _Sampling, prompt: list[int], events: asyncio.Queue | None):
+        """Submit; returns (request, a future done when every choice finished)."""
+        check(body)
         loop = asyncio.get_running_loop()
         finished = loop.create_future()
         on_token = (lambda *a: loop.call_soon_threadsafe(events.put_nowait, a)) if events is not None else None
@@ -297,17 +408,20 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
             raise ApiError(503, str(e), "service_unavailable") from None
         return req, finished
 
-    async def wait(req, finished, request: Request):
-        while not finished.done():  # cancel the work if the client hangs up
+    async def wait(reqs, finished, request: Request):
+        pending = set(finished)
+        while any(not f.done() for f in pending):  # cancel the work if the client hangs up
             if await request.is_disconnected():
-                await asyncio.to_thread(rt.cancel, req)
+                for req in reqs:
+                    await asyncio.to_thread(rt.cancel, req)
                 raise ApiError(499, "client closed the request")
-            await asyncio.wait({finished}, timeout=0.25)
+            await asyncio.wait({f for f in pending if not f.done()}, timeout=0.25)
         rt.metrics.requests.labels("rest", "ok").inc()
 
-    def usage(req) -> dict:
-        gen = sum(len(q.tokens) for q in req.seqs)
-        return {"prompt_tokens": len(req.prompt), "completion_tokens": gen, "total_tokens": len(req.prompt) + gen}
+    def usage(reqs) -> dict:
+        prompt = sum(len(r.prompt) for r in reqs)
+        gen = sum(len(q.tokens) for r in reqs for q in r.seqs)
+        return {"prompt_tokens": prompt, "completion_tokens": gen, "total_tokens": prompt + gen}
 
     def trim(text: str, stops) -> str:
         for s in stops:
@@ -315,13 +429,41 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
                 text = text[: text.index(s)]
         return text
 
+    def held_back(text: str, stops) -> str:
+        """What may be streamed of an unfinished choice's text: not a trailing incomplete UTF-8 character
+        (decoded as U+FFFD until its last byte arrives, as vLLM's incremental detokenizer holds it), and not
+        a trailing part of the text that could still grow into a stop string."""
+        text = text.rstrip("\ufffd")
+        hold = 0
+        for s in stops:
+            for k in range(min(len(s) - 1, len(text)), hold, -1):
+                if text.endswith(s[:k]):
+                    hold = k
+                    break
+        return text[: len(text) - hold]
+
+    def alternatives(alts, lp_key: str, tok_key: str, with_bytes: bool) -> list[dict]:
+        return [{tok_key: piece(t), lp_key: lp, **({"bytes": token_bytes(t)} if with_bytes else {})} for t, lp in alts]
+
+    def chat_logprob(tok: int, lp: float, alts) -> dict:
+        return {"token": piece(tok), "logprob": lp, "bytes": token_bytes(tok),
+                "top_logprobs": [{"token": piece(t), "logprob": a, "bytes": token_bytes(t)} for t, a in (alts or [])]}
+
+    def top_dict(tok: int, lp: float, alts) -> dict:
+        """Completions' top_logprobs entry: the alternatives and the sampled token (as vLLM), by token string."""
+        d = {piece(t): a for t, a in (alts or [])}
+        d.setdefault(piece(tok), lp)
+        return d
+
     async def sse(kind: str, body, req, events: asyncio.Queue, request: Request):
         rid, created = f"{'cmpl' if kind == 'cmpl' else 'chatcmpl'}-{uuid.uuid4().hex[:16]}", int(time.time())
         obj = "text_completion" if kind == "cmpl" else "chat.completion.chunk"
         stops = body.stops()
         sent = {q.sample_index: "" for q in req.seqs}  # text streamed so far per choice
         toks: dict[int, list[int]] = {q.sample_index: [] for q in req.seqs}
+        seqs = {q.sample_index: q for q in req.seqs}
         ended: set[int] = set()
+        want_lp = (body.logprobs is not None) if kind == "cmpl" else bool(body.logprobs)
         try:
             while True:
                 try:
@@ -334,73 +476,115 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
                     break
                 i, tok, lp, finish = ev
                 toks[i].append(tok)
-                # the text so far, cut at a stop string: the delta is what was not streamed yet (a stop string
-                # of several tokens may have begun streaming before it was complete)
+                # the text so far, cut at a stop string; unfinished, less what may still change (held_back):
+                # the delta is what was not streamed yet, so the streamed text is the non-streamed text
                 text = trim(text_of(toks[i]), stops)
-                delta = text[len(sent[i]):]
+                if not finish:
+                    text = held_back(text, stops)
+                delta = text[len(sent[i]):] if text.startswith(sent[i]) else ""
                 sent[i] = sent[i] + delta
                 if finish:
                     ended.add(i)
-                yield _chunk(rid, obj, created, name, kind, i, tok, lp, finish, req, delta, piece(tok), body)
+                lp_part = None
+                if want_lp:
+                    alts = seqs[i].top[len(toks[i]) - 1] if body.top() else None
+                    if kind == "cmpl":
+                        lp_part = {"tokens": [piece(tok)], "token_logprobs": [lp],
+                                   "top_logprobs": [top_dict(tok, lp, alts)] if body.top() else None,
+                                   "text_offset": [len(sent[i]) - len(delta)]}
+                    else:
+                        lp_part = {"content": [chat_logprob(tok, lp, alts)]}
+                yield _chunk(rid, obj, created, name, kind, i, tok, finish, req, delta, lp_part)
             for q in req.seqs:  # samples that ended without a token of their own (aborted)
                 if q.sample_index not in ended:
-                    yield _chunk(rid, obj, created, name, kind, q.sample_index, None, None, q.finish, req)
+                    yield _chunk(rid, obj, created, name, kind, q.sample_index, None, q.finish, req)
+            if body.stream_options is not None and body.stream_options.include_usage:
+                yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": name,
+                                             "choices": [], "usage": usage([req])}) + "\n\n"
             rt.metrics.requests.labels("rest", "ok").inc()
             yield "data: [DONE]\n\n"
         finally:
             if not all(q.finish for q in req.seqs):
                 await asyncio.to_thread(rt.cancel, req)
 
-    async def serve(kind: str, body: _Sampling, prompt: list[int], request: Request):
-        """Submit; an SSE response when streaming, else the finished request."""
-        events = asyncio.Queue() if body.stream else None
-        req, finished = await start(body, prompt, events)
-        if body.stream:
-            return StreamingResponse(sse(kind, body, req, events, request), media_type="text/event-stream")
-        await wait(req, finished, request)
-        return req
-
-    def envelope(obj: str, prefix: str, choices: list, req, prompt: list[int]) -> dict:
+    def envelope(obj: str, prefix: str, choices: list, reqs, prompts: list) -> dict:
+        one = len(reqs) == 1
         return {"id": f"{prefix}-{uuid.uuid4().hex[:16]}", "object": obj, "created": int(time.time()), "model": name,
-                "choices": choices, "usage": usage(req), "prompt_token_ids": prompt, "weight_version": req.version}
+                "choices": choices, "usage": usage(reqs), "prompt_token_ids": prompts[0] if one else prompts,
+                "weight_version": reqs[0].version if one else [r.version for r in reqs]}
+
+    async def tokenized(body: CompletionRequest, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ApiError(400, "prompt is empty")
+            bounded(body, text_chars=len(prompt))
+            return await asyncio.to_thread(tokens_of, prompt)  # off the event loop: /health keeps answering
+        if not prompt:
+            raise ApiError(400, "prompt is empty")
+        bounded(body, n_ids=len(prompt))
+        return prompt
 
     @app.post("/v1/completions", responses={**STREAM, **_errors(400, 404, 413, 415, 429, 503)})
     async def completions(body: CompletionRequest, request: Request):
-        if isinstance(body.prompt, str) and not body.prompt:
+        texts = body.prompts()
+        if not texts:
             raise ApiError(400, "prompt is empty")
-        if isinstance(body.prompt, str):
-            bounded(body, text_chars=len(body.prompt))
-            prompt = await asyncio.to_thread(tokens_of, body.prompt)  # off the event loop: /health keeps answering
-        else:
-            bounded(body, n_ids=len(body.prompt))
-            prompt = body.prompt
-        req = await serve("cmpl", body, prompt, request)
-        if isinstance(req, StreamingResponse):
-            return req
+        if body.stream and len(texts) > 1:
+            raise ApiError(400, f"stream: true with {len(texts)} prompts is not served: send one request per prompt")
+        check(body)
+        if len(texts) > 1 and len(texts) * body.n > rt.settings.max_waiting:
+            raise ApiError(400, f"{len(texts)} prompts x n={body.n} sequences: more than the queue holds "
+                           f"({rt.settings.max_waiting}, --max-waiting)")
+        prompts = [await tokenized(body, t) for t in texts]
+        if body.stream:
+            events = asyncio.Queue()
+            req, _ = await start(body, prompts[0], events)
+            return StreamingResponse(sse("cmpl", body, req, events, request), media_type="text/event-stream")
+        started = []
+        try:
+            for prompt in prompts:
+                started.append(await start(body, prompt, None))
+        except ApiError:
+            for req, _ in started:
+                await asyncio.to_thread(rt.cancel, req)
+            raise
+        reqs = [r for r, _ in started]
+        await wait(reqs, [f for _, f in started], request)
         stops = body.stops()
         choices = []
-        for c in req.completions():
-            text = trim(text_of(c.token_ids), stops)
-            choice = {"index": c.sample_index, "text": (text_of(prompt) + text) if body.echo else text,
-                      "finish_reason": c.finish_reason, "token_ids": c.token_ids, "weight_version": c.weight_version,
-                      "logprobs": None}
-            if body.logprobs is not None:
-                choice["logprobs"] = {"tokens": [piece(t) for t in c.token_ids], "token_logprobs": c.logprobs.tolist(),
-                                      "top_logprobs": None, "text_offset": None}
-            choices.append(choice)
-        return envelope("text_completion", "cmpl", choices, req, prompt)
+        for k, (req, prompt) in enumerate(zip(reqs, prompts)):
+            prompt_lps = await asyncio.to_thread(rt.prompt_logprobs, req) if body.echo and body.logprobs is not None \
+                else None
+            head = text_of(prompt) if body.echo else ""
+            for c in req.completions():
+                text = trim(text_of(c.token_ids), stops)
+                choice = {"index": k * body.n + c.sample_index, "text": head + text, "finish_reason": c.finish_reason,
+                          "token_ids": c.token_ids, "weight_version": c.weight_version, "logprobs": None}
+                if body.logprobs is not None:
+                    ids, lps = list(c.token_ids), c.logprobs.tolist()
+                    tops = [top_dict(t, lp, a) for t, lp, a in zip(ids, lps, c.top_logprobs or [None] * len(ids))]
+                    if body.echo:
+                        tops = [None] + [{piece(t): lp} for t, lp in zip(prompt[1:], prompt_lps)] + tops
+                        ids, lps = list(prompt) + ids, [None] + prompt_lps + lps
+                    choice["logprobs"] = {"tokens": [piece(t) for t in ids], "token_logprobs": lps,
+                                          "top_logprobs": tops, "text_offset": offsets(ids)}
+                choices.append(choice)
+        return envelope("text_completion", "cmpl", choices, reqs, prompts)
 
     @app.post("/v1/chat/completions", responses={**STREAM, **_errors(400, 404, 413, 415, 429, 503)})
     async def chat(body: ChatRequest, request: Request):
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-        bounded(body, text_chars=sum(len(m.content) for m in body.messages))
+        check(body)
+        bounded(body, text_chars=sum(len(m.text()) for m in body.messages))
         prompt = await asyncio.to_thread(chat_prompt, body)  # off the event loop: /health keeps answering
         if not prompt:
             raise ApiError(400, "the messages have no content")
-        req = await serve("chat", body, prompt, request)
-        if isinstance(req, StreamingResponse):
-            return req
+        events = asyncio.Queue() if body.stream else None
+        req, finished = await start(body, prompt, events)
+        if body.stream:
+            return StreamingResponse(sse("chat", body, req, events, request), media_type="text/event-stream")
+        await wait([req], [finished], request)
         stops = body.stops()
         choices = []
         for c in req.completions():
@@ -408,10 +592,10 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
                       "weight_version": c.weight_version, "logprobs": None,
                       "message": {"role": "assistant", "content": trim(text_of(c.token_ids), stops)}}
             if body.logprobs:
-                choice["logprobs"] = {"content": [{"token": piece(t), "logprob": lp, "top_logprobs": []}
-                                                  for t, lp in zip(c.token_ids, c.logprobs.tolist())]}
+                choice["logprobs"] = {"content": [chat_logprob(t, lp, a) for t, lp, a in zip(
+                    c.token_ids, c.logprobs.tolist(), c.top_logprobs or [None] * len(c.token_ids))]}
             choices.append(choice)
-        return envelope("chat.completion", "chatcmpl", choices, req, prompt)
+        return envelope("chat.completion", "chatcmpl", choices, [req], [prompt])
 
     @app.get("/v1/models")
     async def models():
@@ -438,17 +622,15 @@ STREAM = {200: {"description": "the completion; with `stream: true`, server-sent
                     "properties": {"data": {"type": "string", "description": "a JSON chunk; [DONE] at the end"}}}}}}}
 
 
-def _chunk(rid, obj, created, model, kind, i, tok, lp, finish, req, text="", token="", body=None) -> str:
-    """One server-sent event: `text` is the token's text (empty for special tokens), `token` its name."""
+def _chunk(rid, obj, created, model, kind, i, tok, finish, req, text="", logprobs=None) -> str:
+    """One server-sent event: `text` is the choice's new text (held back while it may still change),
+    `logprobs` the token's logprobs entry (or None)."""
     if kind == "cmpl":
         choice = {"index": i, "text": text if tok is not None else "", "finish_reason": finish,
-                  "token_ids": [tok] if tok is not None else [], "weight_version": req.version,
-                  "logprobs": ({"tokens": [token], "token_logprobs": [lp], "top_logprobs": None, "text_offset": None}
-                               if body is not None and body.logprobs is not None and tok is not None else None)}
+                  "token_ids": [tok] if tok is not None else [], "weight_version": req.version, "logprobs": logprobs}
     else:
         choice = {"index": i, "delta": {"role": "assistant", "content": text if tok is not None else ""},
                   "finish_reason": finish, "token_ids": [tok] if tok is not None else [], "weight_version": req.version,
-                  "logprobs": ({"content": [{"token": token, "logprob": lp, "top_logprobs": []}]}
-                               if body is not None and body.logprobs and tok is not None else None)}
+                  "logprobs": logprobs}
     return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
                                   "prompt_token_ids": req.prompt}) + "\n\n"

@@ -98,3 +98,41 @@ def test_a_bad_toml_file_is_named(tmp_path):
     bad.write_text("steps = = 3\n")
     with pytest.raises(ConfigError, match="broken.toml"):
         load(RunConfig, ["--config", str(bad)], "minite train")
+
+
+def _help(cmd: str) -> str:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "minite_core.cli", cmd, "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@pytest.mark.parametrize("cmd", ["train", "up", "learner", "rollout"])
+def test_help_is_readable_and_describes_every_flag(cmd):
+    """--help names what a flag takes in words (no Python types such as {Path,null} or list[str]), and every
+    flag has a description beyond its default."""
+    import re
+
+    out = _help(cmd)
+    assert not re.search(r"\{[A-Za-z]+,|null\}|list\[|dict\[|SecretStr", out), out
+    undescribed = []
+    for entry in re.split(r"\n  (?=--)", out.split("options:", 1)[1]):
+        entry = " ".join(entry.split())
+        if not entry.startswith("--"):
+            continue
+        text = re.sub(r"^--\S+(?:,? --\S+)*(?: [A-Z.]+(?: \.\.\.)?)?", "", entry)
+        if not re.sub(r"\(default: .*?\)|\(required\)", "", text).strip():
+            undescribed.append(entry.split()[0])
+    assert not undescribed, f"flags without a description in `minite {cmd} --help`: {undescribed}"
+
+
+def test_version():
+    import subprocess
+    import sys
+    from importlib.metadata import version
+
+    r = subprocess.run([sys.executable, "-m", "minite_core.cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == f"minite {version('minite')}", (r.stdout, r.stderr)

@@ -273,6 +273,20 @@ def test_health_and_reflection(svc):
     resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
     names = {s.name for s in resp.list_services_response.service}
     assert {"minite.v1.RolloutService", "grpc.health.v1.Health"} <= names
+    # v1 (what grpcurl asks for first): the same messages on the wire under grpc.reflection.v1
+    v1 = ch.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                          request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                          response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+    reqs = [reflection_pb2.ServerReflectionRequest(list_services=""),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol="minite.v1.RolloutService")]
+    listed, symbol = list(v1(iter(reqs), timeout=30))
+    v1_names = {s.name for s in listed.list_services_response.service}
+    assert {"minite.v1.RolloutService", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection"} <= v1_names
+    from google.protobuf import descriptor_pb2
+    files = [descriptor_pb2.FileDescriptorProto.FromString(b)
+             for b in symbol.file_descriptor_response.file_descriptor_proto]
+    assert any(svc.name == "RolloutService" for f in files for svc in f.service)
     ch.close()
 
 
