@@ -337,36 +337,3 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     if kv_rows is not None:
         k, v = k[kv_rows], v[kv_rows]
     return reference.attention(q, k, v, q_pos, kv_len, scale)
-
-
-# ------------------------------------------------------------------------------- misalignment knobs
-# The ops real stacks use that are *not* batch-invariant, to reproduce their drift on purpose. A knob
-# picks one of these instead of the aligned op; nothing else changes.
-
-
-def library_linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, *, out_dtype: torch.dtype | None = None,
-                   scale_mode: str = "row") -> torch.Tensor:
-    """Like `linear` (same activation quantization for NVFP4 weights), but the product is torch.matmul
-    (MKL / cuBLAS), whose reduction order depends on the shapes."""
-    _check_linear(x, w, bias)
-    out_dtype = out_dtype or x.dtype
-    if isinstance(w, NVFP4Tensor):
-        xq = nvfp4.quantize(x, scale_mode=scale_mode, check_finite=False)
-        y = torch.matmul(xq.dequantize(torch.float32), w.dequantize(torch.float32).T)
-    else:
-        y = torch.matmul(x.to(w.dtype), w.T).float()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(out_dtype)
-
-
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor, *,
-                   scale: float | None = None) -> torch.Tensor:
-    """The same attention through torch.nn.functional.scaled_dot_product_attention (flash/efficient/math
-    kernels chosen by shape), fp32 out."""
-    rep = q.shape[1] // k.shape[1]
-    j = torch.arange(k.shape[2], device=q.device)
-    valid = (j.view(1, 1, -1) <= q_pos.unsqueeze(-1)) & (j.view(1, 1, -1) < kv_len.view(-1, 1, 1))
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=valid.unsqueeze(1), scale=scale)
-    return out.float()

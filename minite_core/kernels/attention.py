@@ -275,7 +275,7 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        from ..ops import sdpa_attention
+        from ..knobs import sdpa_attention
 
         q, k, v, q_pos, kv_len = ctx.saved_tensors
         with torch.enable_grad():

@@ -59,7 +59,7 @@ def load_model(path, *, precision: str = "bf16", backend: str = "torch", device=
                knobs: dict | None = None) -> Qwen3:
     """Load a Qwen3 / Qwen3-MoE checkpoint directory. Raises ValueError/FileNotFoundError naming the problem.
 
-    `knobs` (see `qwen3.KNOBS`) reproduce real stacks' misalignments, e.g. {"matmul": "library"}."""
+    `knobs` (see `minite_core.knobs`) reproduce real stacks' misalignments, e.g. {"matmul": "library"}."""
     path = Path(path)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")

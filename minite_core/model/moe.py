@@ -31,8 +31,8 @@ def usable(model, p: str) -> bool:
     """Can layer `p` take the grouped path: Triton backend, NVFP4 experts, per-row activation scales,
     no gradients wanted."""
     w = model.w.get(p + "experts.0.gate_proj.weight")
-    return (model.backend == "triton" and isinstance(w, NVFP4Tensor) and model.act_scale_mode == "row"
-            and model.masters is None and not torch.is_grad_enabled() and model.knobs.get("matmul") != "library")
+    return (model.backend == "triton" and isinstance(w, NVFP4Tensor) and model.knobs.act_scale == "row"
+            and model.masters is None and not torch.is_grad_enabled() and model.knobs.matmul != "library")
 
 
 def _experts(weights: dict, p: str, e: int, proj: str) -> list:

@@ -20,6 +20,7 @@ import torch
 
 from .. import ops, reference
 from . import moe as moe_grouped
+from ..knobs import Knobs, library_linear, sdpa_attention
 from ..nvfp4 import NVFP4Tensor
 from ..reduce import tree_sum
 
@@ -177,24 +178,6 @@ class Qwen3Config:
 _rotate_half = reference.rotate_half  # the torch backend's RoPE: reference.rope
 
 
-KNOBS = {  # misalignment knobs: each picks a different op (None: the aligned one)
-    "matmul": ("invariant", "library"),  # library: torch.matmul (MKL / cuBLAS)
-    "attention": ("invariant", "sdpa"),  # sdpa: torch's scaled_dot_product_attention
-    "act_scale": ("row", "tensor"),  # tensor: per-tensor activation global scale (depends on the batch)
-    "kv_cache_dtype": (None, "fp8_e4m3", "fp16", "bf16"),  # the rollout's KV cache stored in another dtype
-}
-_CACHE_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def check_knobs(knobs: dict) -> dict:
-    for k, v in knobs.items():
-        if k not in KNOBS:
-            raise ValueError(f"unknown knob {k!r}: expected one of {sorted(KNOBS)}")
-        if v not in KNOBS[k]:
-            raise ValueError(f"knob {k} must be one of {KNOBS[k]}, got {v!r}")
-    return dict(knobs)
-
-
 class KVCache:
     """Slot KV cache: per layer, K and V buffers [slots, kv_heads, capacity, head_dim]."""
 
@@ -215,9 +198,8 @@ class Qwen3:
     def __init__(self, cfg: Qwen3Config, weights: dict, *, dtype: torch.dtype, backend: str = "torch",
                  knobs: dict | None = None):
         self.cfg, self.w, self.dtype, self.backend = cfg, weights, dtype, backend
-        self.knobs = check_knobs(knobs or {})
-        self.act_scale_mode = self.knobs.get("act_scale", "row")
-        self.cache_dtype = _CACHE_DTYPES.get(self.knobs.get("kv_cache_dtype"), dtype)
+        self.knobs = Knobs.parse(knobs)  # all off: the aligned model
+        self.cache_dtype = self.knobs.cache_dtype(dtype)
         self.masters: dict | None = None  # training: fp32 master weights that receive the gradients
         self.backward = "ste"  # the NVFP4 linears' backward (ops.linear)
         self.device = weights["model.embed_tokens.weight"].device
@@ -235,10 +217,10 @@ class Qwen3:
 
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         w, bias = self.param(name + ".weight"), self.param(name + ".bias")
-        if self.knobs.get("matmul") == "library":
-            return ops.library_linear(x, w, bias, out_dtype=self.dtype, scale_mode=self.act_scale_mode)
+        if self.knobs.matmul == "library":
+            return library_linear(x, w, bias, out_dtype=self.dtype, scale_mode=self.knobs.act_scale)
         master = self.masters.get(name + ".weight") if self.masters is not None and isinstance(w, NVFP4Tensor) else None
-        return ops.linear(x, w, bias, out_dtype=self.dtype, backend=self.backend, scale_mode=self.act_scale_mode,
+        return ops.linear(x, w, bias, out_dtype=self.dtype, backend=self.backend, scale_mode=self.knobs.act_scale,
                           check_finite=False, master=master, backward=self.backward)
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -322,10 +304,10 @@ class Qwen3:
                 rows = slots.view(-1, 1).expand(b, t)  # write the new keys/values in place, then attend
                 cache.k[i][rows, :, positions] = k.transpose(1, 2)
                 cache.v[i][rows, :, positions] = v.transpose(1, 2)
-            if self.knobs.get("attention") == "sdpa":
+            if self.knobs.attention == "sdpa":
                 if cache is not None:
                     k, v = cache.k[i][slots], cache.v[i][slots]
-                a = ops.sdpa_attention(q, k, v, positions, kv_len)
+                a = sdpa_attention(q, k, v, positions, kv_len)
             elif cache is not None:  # attend over each sequence's cache row in place (no gather)
                 a = ops.attention(q, cache.k[i], cache.v[i], positions, kv_len, backend=self.backend, kv_rows=slots)
             else:

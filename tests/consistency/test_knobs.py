@@ -9,7 +9,7 @@ from tests.helpers_hf import save_hf_checkpoint
 from minite_core.consistency import drift_stats
 from minite_core.engine import Learner, RolloutEngine, SamplingParams
 from minite_core.model import load_model
-from minite_core.model.qwen3 import KNOBS
+from minite_core.knobs import KNOBS
 
 pytest.importorskip("transformers")  # the checkpoints are written by HF itself
 
