@@ -57,39 +57,28 @@ def e2m1_round(v):
 def _quantize_kernel(
     x_ptr, data_ptr, scale_ptr, gs_ptr,
     K, stride_x, stride_data, stride_scale, stride_gs,
-    ROW_GS: tl.constexpr, NB: tl.constexpr, EVEN_K: tl.constexpr, ONE_CHUNK: tl.constexpr,
+    ROW_GS: tl.constexpr, NB: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    """One program per row; the row is walked in chunks of NB blocks, held as an [NB, 16] tile. ONE_CHUNK
-    (the row fits one tile): the row is read once, its amax and its codes come from the same registers."""
+    """One program per row; the row is walked in chunks of NB blocks, held as an [NB, 16] tile."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     blk = tl.arange(0, NB)
     offs16 = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
-    if ONE_CHUNK:
-        if EVEN_K:
-            x_row_tile = tl.load(x_row + offs16).to(tl.float32)
-        else:
-            x_row_tile = tl.load(x_row + offs16, mask=offs16 < K, other=0.0).to(tl.float32)
     if ROW_GS:
-        if ONE_CHUNK:
-            amax = tl.max(tl.abs(x_row_tile), axis=1)
-        else:
-            amax = tl.zeros([NB], dtype=tl.float32)
-            for k0 in range(0, K, NB * 16):
-                if EVEN_K:  # no mask, so loads vectorize
-                    x = tl.load(x_row + k0 + offs16).to(tl.float32)
-                else:
-                    x = tl.load(x_row + k0 + offs16, mask=(k0 + offs16) < K, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        amax = tl.zeros([NB], dtype=tl.float32)
+        for k0 in range(0, K, NB * 16):
+            if EVEN_K:  # no mask, so loads vectorize
+                x = tl.load(x_row + k0 + offs16).to(tl.float32)
+            else:
+                x = tl.load(x_row + k0 + offs16, mask=(k0 + offs16) < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
         gs = tl.maximum(tl.div_rn(tl.max(amax, axis=0), _GS_DIV), _GS_MIN)
         tl.store(gs_ptr + row * stride_gs, gs)
     else:
         gs = tl.load(gs_ptr + row * stride_gs)
     inv_gs = tl.div_rn(tl.zeros([NB], dtype=tl.float32) + 1.0, gs + tl.zeros([NB], dtype=tl.float32))
     for k0 in range(0, K, NB * 16):
-        if ONE_CHUNK:
-            x = x_row_tile
-        elif EVEN_K:
+        if EVEN_K:
             x = tl.load(x_row + k0 + offs16).to(tl.float32)
         else:
             x = tl.load(x_row + k0 + offs16, mask=(k0 + offs16) < K, other=0.0).to(tl.float32)
@@ -109,9 +98,6 @@ def _quantize_kernel(
             tl.store(scale_ptr + row * stride_scale + k0 // 16 + blk, s_code, mask=(k0 // 16 + blk) < K // 16)
 
 
-MAX_NB = 512  # blocks per tile: rows up to 8192 wide are read once (one tile in registers), longer ones walked
-
-
 def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None) -> NVFP4Tensor:
     """Quantize x [..., K] with per-row global scales (global_scale None) or a given scalar/[.., 1] one."""
     shape = x.shape
@@ -128,12 +114,11 @@ def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None) -> NVFP4
     else:
         gs = global_scale.reshape(-1).contiguous()
         stride_gs = 0 if gs.numel() == 1 else 1
-    nb = min(MAX_NB, triton.next_power_of_2(k // BLOCK))
+    nb = min(64, triton.next_power_of_2(k // BLOCK))
     if r:
         _quantize_kernel[(r,)](
             x2, data, scale, gs, k, x2.stride(0), data.stride(0), scale.stride(0), stride_gs,
-            ROW_GS=global_scale is None, NB=nb, EVEN_K=k % (nb * BLOCK) == 0, ONE_CHUNK=nb * BLOCK >= k,
-            num_warps=4 if nb <= 64 else 8,
+            ROW_GS=global_scale is None, NB=nb, EVEN_K=k % (nb * BLOCK) == 0, num_warps=4,
         )
     lead = tuple(shape[:-1])
     out_gs = gs.reshape(lead + (1,)) if global_scale is None else global_scale

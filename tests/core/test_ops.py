@@ -55,22 +55,6 @@ def test_triton_quantize_is_bit_exact_with_torch(dtype, rows, k, mode):
     assert _same_bits(got.global_scale, ref.global_scale)
 
 
-@pytest.mark.skipif(not HAS_CUDA and not HAS_TRITON, reason="triton missing")
-@pytest.mark.interpreter
-@pytest.mark.parametrize("k", [48, 256])
-def test_triton_quantize_walks_long_rows_in_chunks_with_the_same_bits(monkeypatch, k):
-    """Rows wider than one tile are walked in chunks (read twice: amax, then codes); rows that fit are read
-    once. Both give torch's bits (here with 2-block tiles, so 48 and 256 are walked, with and without a tail)."""
-    from minite_core.kernels import quantize as q
-
-    x = _rand(5, k, seed=k)
-    ref = ops.quantize(x, backend="torch")
-    monkeypatch.setattr(q, "MAX_NB", 2)
-    got = ops.quantize(x, backend="triton")
-    assert _same_bits(got.data, ref.data) and _same_bits(got.scale, ref.scale)
-    assert _same_bits(got.global_scale, ref.global_scale)
-
-
 @pytest.mark.interpreter
 @pytest.mark.skipif(not HAS_TRITON, reason="triton missing")
 def test_triton_quantize_explicit_scale_saturates_like_torch():
