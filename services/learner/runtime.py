@@ -4,7 +4,8 @@ thread, and the scoring both APIs offer.
 The loop waits for a rollout replica, then runs `minite_core.rl.loop.run` (the same loop as
 `minite train`, on the same RunConfig): each step pulls completions for the task's prompts from the replicas, scores them with the
 learner engine, records every token's drift, takes a GRPO step and pushes the re-quantized packed
-NVFP4 weights to every replica. A replica that is down makes the step wait and retry (reported in
+NVFP4 weights to every replica; each step's metrics go to metrics.jsonl (the loop) and to Prometheus
+(`LearnerMetrics.record_step`: the same keys). A replica that is down makes the step wait and retry (reported in
 Status and the log), never crash. Score and SubmitTrajectories use the same learner engine under the
 same lock as the step, so they see one weight version at a time.
 
@@ -104,12 +105,7 @@ class LearnerRuntime:
     def _on_step(self, trainer, m: dict) -> None:
         diffs, stats = trainer.last_drift
         self.metrics.record_drift(diffs.tolist(), stats)
-        self.metrics.tokens.inc(m["tokens"])
-        self.metrics.steps.inc()
-        self.metrics.reward.set(m["reward"])
-        for k, v in m.items():
-            if k.startswith("rewards/") and k.endswith("/mean") and v == v:
-                self.metrics.reward_by_function.labels(k[len("rewards/"):-len("/mean")]).set(v)
+        self.metrics.record_step(m)  # tokens, steps, reward(s), loss, KL, entropy, grad norm, clip ratio, step time
         self.metrics.weight_version.set(trainer.version)
         self.last = m
         self.last_error = ""

@@ -36,7 +36,7 @@ class Overloaded(Exception):
 class RolloutRuntime:
     def __init__(self, settings, metrics: RolloutMetrics | None = None):
         self.settings = settings
-        self.metrics = metrics or RolloutMetrics()
+        self.metrics = metrics or RolloutMetrics(settings.model_name)  # (labelled as GET /v1/models names it)
         model = load_model(settings.model_dir, precision=settings.precision, backend=settings.backend,
                            device=settings.device)
         self.tokenizer = model.tokenizer  # minite_core.tokenizer.Tokenizer, or None (token ids only)
@@ -151,6 +151,11 @@ class RolloutRuntime:
             self._gauges()
             self.lock.notify_all()
         return req
+
+    def prompt_logprobs(self, req) -> list[float]:
+        """The request's prompt-token logprobs (the engine's `prompt_logprobs`), between engine steps."""
+        with self.locked():
+            return self.engine.prompt_logprobs(req)
 
     def cancel(self, req) -> None:
         """Stop a request's unfinished sequences (finish "abort"; its slots free). Never waits for a step:

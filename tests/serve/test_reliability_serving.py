@@ -39,8 +39,8 @@ SLOTS, WAITING = 4, 36  # the overload rollout: more admissible calls than the g
 
 def _metric(base: str, name: str, verify=True) -> float:
     for line in httpx.get(f"{base}/metrics", timeout=10, verify=verify).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
+        if line.startswith((name + " ", name + "{")):  # (serving metrics carry model_name, as vLLM's do)
+            return float(line.rsplit(None, 1)[1])
     raise AssertionError(f"{name} not exported by {base}")
 
 
