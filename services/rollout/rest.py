@@ -2,7 +2,7 @@
 
 POST /v1/completions, POST /v1/chat/completions (logprobs with up to 20 alternatives per token, echo with the
 prompt's logprobs, several prompts per completions call, text content parts, `stream: true` as server-sent
-events with `stream_options.include_usage`, seed, n, stop, plus vLLM's top_k and stop_token_ids; parameters
+events (several prompts too) with `stream_options.include_usage`, seed, n, stop, plus vLLM's top_k and stop_token_ids; parameters
 that would change the sampled distribution or ask for unserved output are a 400 naming them: UNSERVED and
 docs/openai-api.md), GET /v1/models, GET /v1/weight_version, GET /health,
 GET /metrics (Prometheus), the OpenAPI schema at /openapi.json. Every response carries the token ids
@@ -384,17 +384,18 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
         body.refuse_unserved()
         body.top()
 
-    async def start(body: _Sampling, prompt: list[int], events: asyncio.Queue | None):
-        """Submit; returns (request, a future done when every choice finished)."""
+    async def start(body: _Sampling, prompt: list[int], events: asyncio.Queue | None, tag: int = 0):
+        """Submit; returns (request, a future done when every choice finished). Streaming: the request's
+        tokens go to `events` as (tag, choice, token, logprob, finish), then (tag, None) when it is done."""
         check(body)
         loop = asyncio.get_running_loop()
         finished = loop.create_future()
-        on_token = (lambda *a: loop.call_soon_threadsafe(events.put_nowait, a)) if events is not None else None
+        on_token = (lambda *a: loop.call_soon_threadsafe(events.put_nowait, (tag, *a))) if events is not None else None
 
         def on_done(r):
             loop.call_soon_threadsafe(lambda: finished.done() or finished.set_result(r))
-            if events is not None:
-                loop.call_soon_threadsafe(events.put_nowait, None)  # after every token: the end marker
+            if events is not None:  # after every token of this request: its end marker
+                loop.call_soon_threadsafe(events.put_nowait, (tag, None))
         try:
             params, stops = body.sampling(rt.eos_token_ids), body.stops()
             rt.check(prompt, params)  # bad input (400) before a full queue (429)
@@ -455,57 +456,65 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
         d.setdefault(piece(tok), lp)
         return d
 
-    async def sse(kind: str, body, req, events: asyncio.Queue, request: Request):
+    async def sse(kind: str, body, reqs: list, events: asyncio.Queue, request: Request):
+        """The server-sent events of one or several requests (several prompts: choice index = prompt x n +
+        sample), in the order their tokens come."""
         rid, created = f"{'cmpl' if kind == 'cmpl' else 'chatcmpl'}-{uuid.uuid4().hex[:16]}", int(time.time())
         obj = "text_completion" if kind == "cmpl" else "chat.completion.chunk"
         stops = body.stops()
-        sent = {q.sample_index: "" for q in req.seqs}  # text streamed so far per choice
-        toks: dict[int, list[int]] = {q.sample_index: [] for q in req.seqs}
-        seqs = {q.sample_index: q for q in req.seqs}
+        n = body.n
+        seqs = {k * n + q.sample_index: (req, q) for k, req in enumerate(reqs) for q in req.seqs}
+        sent = {c: "" for c in seqs}  # text streamed so far per choice
+        toks: dict[int, list[int]] = {c: [] for c in seqs}
         ended: set[int] = set()
+        open_reqs = set(range(len(reqs)))
         want_lp = (body.logprobs is not None) if kind == "cmpl" else bool(body.logprobs)
         try:
-            while True:
+            while open_reqs:
                 try:
                     ev = await asyncio.wait_for(events.get(), timeout=0.25)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
                         return
                     continue
-                if ev is None:  # on_done: every token is already in the queue before this marker
-                    break
-                i, tok, lp, finish = ev
-                toks[i].append(tok)
+                if ev[1] is None:  # a request's on_done: every token of it is already in the queue
+                    open_reqs.discard(ev[0])
+                    continue
+                k, i, tok, lp, finish = ev
+                c = k * n + i
+                req, q = seqs[c]
+                toks[c].append(tok)
                 # the text so far, cut at a stop string; unfinished, less what may still change (held_back):
                 # the delta is what was not streamed yet, so the streamed text is the non-streamed text
-                text = trim(text_of(toks[i]), stops)
+                text = trim(text_of(toks[c]), stops)
                 if not finish:
                     text = held_back(text, stops)
-                delta = text[len(sent[i]):] if text.startswith(sent[i]) else ""
-                sent[i] = sent[i] + delta
+                delta = text[len(sent[c]):] if text.startswith(sent[c]) else ""
+                sent[c] = sent[c] + delta
                 if finish:
-                    ended.add(i)
+                    ended.add(c)
                 lp_part = None
                 if want_lp:
-                    alts = seqs[i].top[len(toks[i]) - 1] if body.top() else None
+                    alts = q.top[len(toks[c]) - 1] if body.top() else None
                     if kind == "cmpl":
                         lp_part = {"tokens": [piece(tok)], "token_logprobs": [lp],
                                    "top_logprobs": [top_dict(tok, lp, alts)] if body.top() else None,
-                                   "text_offset": [len(sent[i]) - len(delta)]}
+                                   "text_offset": [len(sent[c]) - len(delta)]}
                     else:
                         lp_part = {"content": [chat_logprob(tok, lp, alts)]}
-                yield _chunk(rid, obj, created, name, kind, i, tok, finish, req, delta, lp_part)
-            for q in req.seqs:  # samples that ended without a token of their own (aborted)
-                if q.sample_index not in ended:
-                    yield _chunk(rid, obj, created, name, kind, q.sample_index, None, q.finish, req)
+                yield _chunk(rid, obj, created, name, kind, c, tok, finish, req, delta, lp_part)
+            for c, (req, q) in seqs.items():  # samples that ended without a token of their own (aborted)
+                if c not in ended:
+                    yield _chunk(rid, obj, created, name, kind, c, None, q.finish, req)
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": name,
-                                             "choices": [], "usage": usage([req])}) + "\n\n"
+                                             "choices": [], "usage": usage(reqs)}) + "\n\n"
             rt.metrics.requests.labels("rest", "ok").inc()
             yield "data: [DONE]\n\n"
         finally:
-            if not all(q.finish for q in req.seqs):
-                await asyncio.to_thread(rt.cancel, req)
+            for req in reqs:
+                if not all(q.finish for q in req.seqs):
+                    await asyncio.to_thread(rt.cancel, req)
 
     def envelope(obj: str, prefix: str, choices: list, reqs, prompts: list) -> dict:
         one = len(reqs) == 1
@@ -529,26 +538,23 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
         texts = body.prompts()
         if not texts:
             raise ApiError(400, "prompt is empty")
-        if body.stream and len(texts) > 1:
-            raise ApiError(400, f"stream: true with {len(texts)} prompts is not served: send one request per prompt")
         check(body)
         if len(texts) > 1 and len(texts) * body.n > rt.settings.max_waiting:
             raise ApiError(400, f"{len(texts)} prompts x n={body.n} sequences: more than the queue holds "
                            f"({rt.settings.max_waiting}, --max-waiting)")
         prompts = [await tokenized(body, t) for t in texts]
-        if body.stream:
-            events = asyncio.Queue()
-            req, _ = await start(body, prompts[0], events)
-            return StreamingResponse(sse("cmpl", body, req, events, request), media_type="text/event-stream")
+        events = asyncio.Queue() if body.stream else None
         started = []
         try:
-            for prompt in prompts:
-                started.append(await start(body, prompt, None))
+            for k, prompt in enumerate(prompts):
+                started.append(await start(body, prompt, events, tag=k))
         except ApiError:
             for req, _ in started:
                 await asyncio.to_thread(rt.cancel, req)
             raise
         reqs = [r for r, _ in started]
+        if body.stream:
+            return StreamingResponse(sse("cmpl", body, reqs, events, request), media_type="text/event-stream")
         await wait(reqs, [f for _, f in started], request)
         stops = body.stops()
         choices = []
@@ -583,7 +589,7 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
         events = asyncio.Queue() if body.stream else None
         req, finished = await start(body, prompt, events)
         if body.stream:
-            return StreamingResponse(sse("chat", body, req, events, request), media_type="text/event-stream")
+            return StreamingResponse(sse("chat", body, [req], events, request), media_type="text/event-stream")
         await wait([req], [finished], request)
         stops = body.stops()
         choices = []

@@ -100,6 +100,19 @@ def test_a_list_of_prompts_in_one_call(client):
     assert len(r.choices) == 2
 
 
+def test_a_list_of_prompts_streamed(client):
+    kw = dict(model=MODEL, prompt=["alpha", "beta gamma", "delta"], max_tokens=5, n=2, temperature=0.9, seed=4,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    texts: dict[int, str] = {}
+    for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+        if chunk.usage is not None:
+            assert chunk.usage.completion_tokens == 3 * 2 * 5
+    assert texts == {c.index: c.text for c in whole.choices} and sorted(texts) == list(range(6))
+
+
 def test_chat_top_logprobs_bytes_and_text_parts(client, learner, model_dir):
     tok = ids_of(model_dir)
     messages = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
@@ -181,7 +194,7 @@ def test_neutral_values_of_unserved_parameters_are_served(client):
 
 @pytest.mark.parametrize("kw, words", [
     (dict(logprobs=21), "logprobs"),
-    (dict(prompt=["a", "b"], stream=True), "one request per prompt"),
+    (dict(prompt=["a", ""]), "prompt is empty"),
     (dict(prompt=[]), "prompt"),
 ])
 def test_completions_refusals(client, kw, words):
