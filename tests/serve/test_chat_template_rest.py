@@ -2,7 +2,6 @@
 folder holds a transformers-saved BPE tokenizer with a Qwen3-style chat template and a generation_config.json
 with two eos ids: the prompt ids equal transformers' `apply_chat_template`, `chat_template_kwargs` reach the
 template, generation stops on the eos ids unless `ignore_eos`, and a template that fails is a 400."""
-import dataclasses
 import shutil
 
 import grpc
@@ -11,9 +10,7 @@ import pytest
 
 from minite.v1 import rollout_pb2 as pb
 from minite.v1 import rollout_pb2_grpc as pb_grpc
-from minite_core.model.random_init import random_checkpoint
-from minite_core.rl.tiny import TINY
-from tests.helpers_hf import make_bpe_tokenizer_dir, tokenizer_vocab_size, write_generation_config
+from tests.helpers_hf import write_generation_config
 from tests.service_helpers import rollout_service
 
 transformers = pytest.importorskip("transformers")
@@ -24,13 +21,8 @@ MSGS = [{"role": "system", "content": "You add numbers. Réponds vite 🙂"},
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3-bpe")
-    make_bpe_tokenizer_dir(path)
-    cfg = dataclasses.replace(TINY, vocab_size=tokenizer_vocab_size(path), max_position_embeddings=256)
-    random_checkpoint(path, cfg, seed=5)
-    write_generation_config(path)
-    return path
+def model_dir(bpe_model_dir):
+    return bpe_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ top-N alternatives, echoed prompt tokens) is recomputed by the learner engine (`
 same weights and must be equal bit for bit. Streaming must give the text of the same seeded request served
 whole. Every parameter that is not served is a 400 naming it, through the client's own exception.
 """
-import dataclasses
 
 import openai
 import pytest
@@ -15,22 +14,15 @@ import torch
 
 from minite_core.engine.learner import Learner
 from minite_core.model import load_model
-from minite_core.model.random_init import random_checkpoint
-from minite_core.rl.tiny import TINY
-from tests.helpers_hf import make_bpe_tokenizer_dir, tokenizer_vocab_size, write_generation_config
+
 from tests.service_helpers import rollout_service
 
 MODEL = "qwen3-bpe"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3-bpe")
-    make_bpe_tokenizer_dir(path)
-    cfg = dataclasses.replace(TINY, vocab_size=tokenizer_vocab_size(path), max_position_embeddings=256)
-    random_checkpoint(path, cfg, seed=5)
-    write_generation_config(path)
-    return path
+def model_dir(bpe_model_dir):
+    return bpe_model_dir
 
 
 @pytest.fixture(scope="module")
