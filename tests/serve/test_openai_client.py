@@ -14,7 +14,6 @@ import torch
 
 from minite_core.engine.learner import Learner
 from minite_core.model import load_model
-
 from tests.service_helpers import rollout_service
 
 MODEL = "qwen3-bpe"
