@@ -572,8 +572,9 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
                     if body.echo:
                         tops = [None] + [{piece(t): lp} for t, lp in zip(prompt[1:], prompt_lps)] + tops
                         ids, lps = list(prompt) + ids, [None] + prompt_lps + lps
-                    choice["logprobs"] = {"tokens": [piece(t) for t in ids], "token_logprobs": lps,
-                                          "top_logprobs": tops, "text_offset": offsets(ids)}
+                    choice["logprobs"] = {"tokens": [piece(t) for t in ids], "token_logprobs": lps, "top_logprobs": tops,
+                                          # (a decode per prefix: off the event loop)
+                                          "text_offset": await asyncio.to_thread(offsets, ids)}
                 choices.append(choice)
         return envelope("text_completion", "cmpl", choices, reqs, prompts)
 
