@@ -443,9 +443,6 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
                     break
         return text[: len(text) - hold]
 
-    def alternatives(alts, lp_key: str, tok_key: str, with_bytes: bool) -> list[dict]:
-        return [{tok_key: piece(t), lp_key: lp, **({"bytes": token_bytes(t)} if with_bytes else {})} for t, lp in alts]
-
     def chat_logprob(tok: int, lp: float, alts) -> dict:
         return {"token": piece(tok), "logprob": lp, "bytes": token_bytes(tok),
                 "top_logprobs": [{"token": piece(t), "logprob": a, "bytes": token_bytes(t)} for t, a in (alts or [])]}
