@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session: the GPU tests of the kernels and engines, then the benchmarks, logs under $OUT.
 #   bash bench/gpu_session.sh [tests] [rollout] [learner] [attention] [gemm]   (default: all)
-# ROLLOUT_ARGS / LEARNER_ARGS override the benchmarks' arguments.
+# ROLLOUT_ARGS / LEARNER_ARGS / GEMM_ARGS override the benchmarks' arguments. A summary table comes last.
 set -u
 OUT=${OUT:-/tmp/minite-gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -18,10 +18,18 @@ for p in $parts; do
              2>&1 | tail -40 | tee "$OUT/tests.txt" ;;
     rollout) timeout 420 python3 bench/rollout.py ${ROLLOUT_ARGS:---configs 0.6b --batches 16,64 --repeats 2} \
              --json "$OUT/rollout.json" 2>&1 | tee "$OUT/rollout.txt" | tail -30 ;;
-    learner) timeout 300 python3 bench/learner.py ${LEARNER_ARGS:---attention invariant --steps 3} 2>&1 \
+    learner) timeout 300 python3 bench/learner.py ${LEARNER_ARGS:---steps 3} 2>&1 \
              | tee "$OUT/learner.txt" | tail -30 ;;
     attention) timeout 120 python3 bench/attention.py 2>&1 | tee "$OUT/attention.txt" | tail -20 ;;
-    gemm) timeout 240 python3 bench/gemm.py --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.txt" | tail -40 ;;
+    gemm) timeout 240 python3 bench/gemm.py ${GEMM_ARGS:---quick} --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.txt" | tail -40 ;;
   esac
   echo "== $p: $(( $(date +%s) - t0 )) s"
 done
+# the short table last: the figures issue 18's targets are about, from the logs above
+echo "== summary"
+[ -f "$OUT/tests.txt" ] && echo "tests:    $(grep -E '[0-9]+ (passed|failed)' "$OUT/tests.txt" | tail -1)"
+[ -f "$OUT/learner.txt" ] && grep -E '^NVFP4 / (BF16|HF)' "$OUT/learner.txt" | sed 's/^/learner:  /'
+[ -f "$OUT/rollout.txt" ] && grep -E 'minite-nvfp4 / ' "$OUT/rollout.txt" | sed 's/^/rollout:  /'
+[ -f "$OUT/gemm.txt" ] && grep -E '^ *[0-9]+ +[0-9]+ +(1|16|4096) ' "$OUT/gemm.txt" | awk -F'|' '{print "gemm:     N K M S =" $1 "w4a4 vs bf16 =" $(NF-1)}'
+[ -f "$OUT/gemm.txt" ] && grep -E '^quantize' "$OUT/gemm.txt" | sed 's/^/gemm:     /'
+true
