@@ -45,8 +45,9 @@ def time_steps(step, n: int) -> list[float]:
     return out
 
 
-def minite_step_fn(path: Path, precision: str, batch: int, seq: int, knobs: dict):
+def minite_step_fn(path: Path, precision: str, batch: int, seq: int, knobs: dict, backward: str = "ste"):
     policy = load_model(path, precision=precision, backend="triton", device="cuda", knobs=knobs)
+    policy.backward = backward  # the NVFP4 linears' gradient recipe (minite_core/backward.py)
     fp32 = load_model(path, precision="fp32", device="cuda")
     masters = fp32_masters(fp32.w)
     del fp32
@@ -97,6 +98,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--attention", default="sdpa", choices=["sdpa", "invariant"])
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--backward", default="", help="also time the NVFP4 step with these gradient recipes, e.g. fp8")
     ap.add_argument("--profile", action="store_true", help="print where the NVFP4 and BF16 steps spend GPU time")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -108,6 +110,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = random_checkpoint(Path(tmp) / "model", cfg)
         runs = [(f"minite-{p}", lambda p=p: minite_step_fn(path, p, args.batch, args.seq, knobs)) for p in ("bf16", "nvfp4")]
+        runs += [(f"minite-nvfp4-{b}-bwd", lambda b=b: minite_step_fn(path, "nvfp4", args.batch, args.seq, knobs, b))
+                 for b in args.backward.split(",") if b and b != "ste"]
         if not args.skip_hf:
             runs.append(("hf-transformers-bf16", lambda: hf_step_fn(cfg, args.batch, args.seq)))
         for name, build in runs:
@@ -133,6 +137,10 @@ def main() -> None:
         print(f"NVFP4 / BF16 = {by['minite-nvfp4'] / by['minite-bf16']:.2f}x")
     if by.get("hf-transformers-bf16"):
         print(f"NVFP4 / HF   = {by['minite-nvfp4'] / by['hf-transformers-bf16']:.2f}x")
+    for name, tps in by.items():
+        if name.endswith("-bwd") and by.get("minite-bf16"):
+            print(f"{name[len('minite-nvfp4-'):]} NVFP4 / BF16 = {tps / by['minite-bf16']:.2f}x"
+                  + (f", / HF = {tps / by['hf-transformers-bf16']:.2f}x" if by.get("hf-transformers-bf16") else ""))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,11 @@ equal the rollout's), so they are free to trade exactness for speed. Recipes (`b
   (`ste_cpu`): the fixed-order torch GEMM, so a resumed run has the bits of an uninterrupted one.
 - "nvfp4": NVIDIA's NVFP4 training recipe (`nvfp4_recipe`): gradients quantized with stochastic rounding,
   a random Hadamard transform on wgrad's operands.
+- "fp8": the straight-through products on FP8 (e4m3) operands, as DeepSeek-V3 / Transformer Engine train
+  (`fp8_recipe`): each operand row (along the product's inner dimension) scaled to e4m3's range by its
+  amax / 448 and rounded to e4m3 (2^-4 relative), the per-row scales applied to the fp32 accumulator. The
+  H200's e4m3 tensor cores run ~1.7x its bf16 ones (`torch._scaled_mm`, bf16 out); on the CPU the same
+  e4m3 operands go through the fixed-order GEMM, so resumes stay exact.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import torch
 from . import nvfp4, reference
 from .nvfp4 import NVFP4Tensor
 
-BACKWARDS = ("ste", "nvfp4")
+BACKWARDS = ("ste", "nvfp4", "fp8")
 
 
 def pad_rows16(t: torch.Tensor) -> torch.Tensor:
@@ -88,4 +93,47 @@ def nvfp4_recipe(g2: torch.Tensor, x2: torch.Tensor, w: NVFP4Tensor):
     xt = nvfp4.rht(pad_rows16(x2.float().T.contiguous()), seed)  # [K, M16]
     grad_w = reference.mm_nvfp4(nvfp4.quantize(gt, rounding="stochastic", check_finite=False),
                                 nvfp4.quantize(xt, check_finite=False))
+    return grad_x, grad_w
+
+
+def _e4m3_rows(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of a [R, C] -> (e4m3 [R, C], fp32 scales [R, 1]): each row divided by amax / 448 (1 for a zero
+    row) and rounded to e4m3, so a ~= q * scale."""
+    amax = a.abs().amax(dim=1, keepdim=True).float()
+    scale = torch.where(amax > 0, amax / nvfp4.E4M3_MAX, torch.ones_like(amax))
+    return (a.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def _pad16(t: torch.Tensor, dim: int) -> torch.Tensor:
+    pad = (-t.shape[dim]) % 16
+    if not pad:
+        return t
+    return torch.nn.functional.pad(t, (0, pad) if dim == 1 else (0, 0, 0, pad))
+
+
+def _fp8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, R] @ b [N, R].T on per-row e4m3 operands, fp32 [M, N]. Every dimension is zero-padded to a
+    multiple of 16 (the FP8 GEMM's alignment; zero rows get scale 1 and add nothing)."""
+    m, n = a.shape[0], b.shape[0]
+    aq, sa = _e4m3_rows(_pad16(_pad16(a, 1), 0))
+    bq, sb = _e4m3_rows(_pad16(_pad16(b, 1), 0))
+    if a.is_cuda:  # row-wise scaled e4m3 GEMM (cuBLASLt), bf16 out; b column-major as it wants
+        out = torch._scaled_mm(aq, bq.T, scale_a=sa, scale_b=sb.T, out_dtype=torch.bfloat16).float()
+    else:  # the same operands, fixed-order fp32 (MKL's order depends on buffer alignment: resumes would drift)
+        out = reference.mm_plain(aq.float() * sa, bq.float() * sb)
+    return out[:m, :n]
+
+
+def fp8_recipe(g2: torch.Tensor, x2: torch.Tensor | None, w, xq: NVFP4Tensor | None, need_x: bool, need_w: bool,
+               dequantize=nvfp4.dequantize):
+    """dgrad = g @ deq(W) and wgrad = g.T @ deq(Q(x)) (plain weights: W and x) with both operands of each
+    product in e4m3, per-row scales along the inner dimension. Returns (grad_x, grad_w) in fp32, None where
+    not needed."""
+    if isinstance(w, NVFP4Tensor):
+        wd = dequantize(w, torch.bfloat16) if need_x else None
+        xd = dequantize(xq, torch.bfloat16) if need_w else None
+    else:
+        wd, xd = w, x2
+    grad_x = _fp8_mm(g2, wd.T.contiguous()) if need_x else None  # [M, N] @ [N, K]: rows of W^T along N
+    grad_w = _fp8_mm(g2.T.contiguous(), xd.T.contiguous()) if need_w else None  # [N, M] @ [M, K]: along M
     return grad_x, grad_w

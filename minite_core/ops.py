@@ -171,6 +171,9 @@ class _Linear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1]) if x is not None else None
         if ctx.bwd == "nvfp4" and isinstance(ctx.w, NVFP4Tensor):
             grad_x, grad_w = bwd.nvfp4_recipe(g2.float(), x2, ctx.w)
+        elif ctx.bwd == "fp8":
+            grad_x, grad_w = bwd.fp8_recipe(g2, x2, ctx.w, ctx.xq, need_x, need_w,
+                                            functools.partial(dequantize, backend=ctx.backend))
         elif g2.is_cuda:
             grad_x, grad_w = bwd.ste_cuda(g2, x2, ctx.w, ctx.xq, ctx.x_dtype if need_x else None,
                                           w_tensor.dtype if need_w else None,
@@ -204,7 +207,8 @@ def linear(
     scale_mode="tensor") or a plain float tensor [N, K] (x is cast to w's dtype). Output dtype
     defaults to x's. For training, `master` is the high-precision tensor an NVFP4 `w` was quantized
     from: it receives the weight gradient, computed by `backward` = "ste" (straight-through on the
-    dequantized operands in bf16) or "nvfp4" (NVIDIA's recipe: stochastic rounding, RHT on wgrad).
+    dequantized operands in bf16), "nvfp4" (NVIDIA's recipe: stochastic rounding, RHT on wgrad) or "fp8"
+    (the straight-through products on e4m3 operands with per-row scales): `minite_core.backward`.
     A plain `w` may have a master too (w must hold master's values in w's dtype, e.g. the rollout's bf16
     copy of an fp32 master): the weight gradient then goes to the master in its dtype, straight from the
     fp32 accumulator (no bf16 rounding of the gradient, no cast of the master in the forward).

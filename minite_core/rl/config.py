@@ -29,7 +29,7 @@ BUILTIN_MOE_MODEL = Path("runs/tiny-moe")
 CHOICES = {  # the settings that take one of a few words
     "precision": ("nvfp4", "bf16", "fp32"),
     "backend": ("torch", "triton"),
-    "backward": ("ste", "nvfp4"),
+    "backward": ("ste", "nvfp4", "fp8"),
     "data_parallel": ("none", "ddp", "fsdp"),
     "loss_type": LOSS_TYPES,
     "weight_sync": ("grpc", "shared", "auto"),  # (the learner service's)
@@ -56,7 +56,8 @@ class RunConfig(BaseSettings):
                                    "*.safetensors, tokenizer files); unset: the built-in tiny model, built on first use")
     moe: bool = Field(False, description="with no model_dir: the MoE variant of the built-in tiny model")
     precision: str = Field("nvfp4", description="nvfp4 (W4A4), bf16 or fp32")
-    backward: str = Field("ste", description="gradient recipe of the NVFP4 linears: ste or nvfp4")
+    backward: str = Field("ste", description="gradient recipe of the NVFP4 linears: ste, nvfp4 or fp8 "
+                          "(minite_core/backward.py)")
     backend: str = Field("torch", description="kernel backend: torch or triton")
     device: str = Field("cpu", description="torch device, e.g. cpu or cuda (a data-parallel rank takes its own GPU)")
     data_parallel: str = Field("none", description="none, ddp or fsdp: one learner over the ranks torchrun starts")

@@ -196,3 +196,59 @@ def test_plain_weight_with_fp32_master_gets_fp32_gradient():
     w2 = master.detach().to(BF16).requires_grad_(True)  # the old way: cast in the graph, bf16 gradient
     ops.linear(x.detach(), w2).backward(g)
     _close(w2.grad, master.grad, BF16)
+
+
+# ------------------------------------------------------------------------------------------ fp8 backward
+
+
+def test_fp8_products_are_the_e4m3_rounded_operands_multiplied():
+    """`_fp8_mm`: each operand row scaled by amax / 448 and rounded to e4m3 (here rebuilt by hand, with
+    torch's own e4m3 cast), the product of those values in fp64 matches to fp32 accumulation; odd shapes
+    are padded, zero rows stay zero."""
+    a = _rand(37, 50, seed=3) * torch.logspace(-3, 3, 37).unsqueeze(1)
+    b = _rand(21, 50, seed=4)
+    a[5] = 0.0
+    got = backward._fp8_mm(a, b)
+
+    def by_hand(t):
+        s = t.abs().amax(1, keepdim=True) / 448.0
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        return (t / s).to(torch.float8_e4m3fn).double() * s.double()
+    want = by_hand(a) @ by_hand(b).T
+    assert got.shape == (37, 21) and got.dtype == torch.float32 and not got[5].any()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    exact = a.double() @ b.double().T  # e4m3 keeps 3 mantissa bits: a few percent off the exact product
+    err = ((got.double() - exact).norm() / exact.norm()).item()
+    assert 1e-3 < err < 0.06, err
+
+
+def test_fp8_gradients_are_the_ste_gradients_up_to_e4m3():
+    w = _rand(40, 64, seed=5) * 0.1
+    x = _rand(30, 64, seed=6, dtype=BF16)
+    g = _rand(30, 40, seed=7)
+    wq = nvfp4.quantize(w, scale_mode="tensor")
+    grads = {}
+    for recipe in ("ste", "fp8"):
+        xr, m = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        ops.linear(xr, wq, master=m, backward=recipe).backward(g.to(BF16))
+        grads[recipe] = (xr.grad.float(), m.grad)
+        assert xr.grad.dtype == BF16 and m.grad.dtype == torch.float32
+    for a, b in zip(grads["fp8"], grads["ste"]):
+        rel = ((a - b).norm() / b.norm()).item()
+        assert 1e-3 < rel < 0.06, rel
+
+
+@cuda_only
+def test_cuda_fp8_gradients_match_the_cpu_recipe():
+    """The GPU's row-scaled e4m3 GEMM (torch._scaled_mm, bf16 out) against the CPU path on the same operands."""
+    w = _rand(96, 128, seed=8) * 0.1
+    x = _rand(70, 128, seed=9, dtype=BF16)
+    g = _rand(70, 96, seed=10)
+    wq = nvfp4.quantize(w, scale_mode="tensor")
+    out = {}
+    for dev in ("cpu", "cuda"):
+        xr, m = x.to(dev).requires_grad_(True), w.to(dev).requires_grad_(True)
+        ops.linear(xr, wq.to(dev) if dev == "cuda" else wq, master=m, backward="fp8").backward(g.to(dev, BF16))
+        out[dev] = (xr.grad.float().cpu(), m.grad.cpu())
+    for a, b in zip(out["cuda"], out["cpu"]):
+        assert ((a - b).norm() / b.norm()).item() < 0.01
