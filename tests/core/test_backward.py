@@ -247,7 +247,7 @@ def test_cuda_fp8_gradients_match_the_cpu_recipe():
     wq = nvfp4.quantize(w, scale_mode="tensor")
     out = {}
     for dev in ("cpu", "cuda"):
-        xr, m = x.to(dev).requires_grad_(True), w.to(dev).requires_grad_(True)
+        xr, m = x.detach().to(dev).requires_grad_(True), w.detach().to(dev).requires_grad_(True)
         ops.linear(xr, wq.to(dev) if dev == "cuda" else wq, master=m, backward="fp8").backward(g.to(dev, BF16))
         out[dev] = (xr.grad.float().cpu(), m.grad.cpu())
     for a, b in zip(out["cuda"], out["cpu"]):
