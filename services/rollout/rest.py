@@ -410,13 +410,15 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
         return req, finished
 
     async def wait(reqs, finished, request: Request):
-        pending = set(finished)
-        while any(not f.done() for f in pending):  # cancel the work if the client hangs up
+        while True:  # cancel the work if the client hangs up
             if await request.is_disconnected():
                 for req in reqs:
                     await asyncio.to_thread(rt.cancel, req)
                 raise ApiError(499, "client closed the request")
-            await asyncio.wait({f for f in pending if not f.done()}, timeout=0.25)
+            pending = [f for f in finished if not f.done()]  # (after the await above: some may have finished)
+            if not pending:
+                break
+            await asyncio.wait(pending, timeout=0.25)
         rt.metrics.requests.labels("rest", "ok").inc()
 
     def usage(reqs) -> dict:
