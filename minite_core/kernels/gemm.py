@@ -283,18 +283,25 @@ def _gemm_kernel(
 
 
 @triton.jit
+def load_decode_step(p_ptr, s_ptr, rows, mask_r, k0, K, stride_p, stride_s, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K step at k0 of rows `rows` of a packed NVFP4 tensor (bytes, E4M3 scale bytes; zeros past K or R),
+    decoded by `decode_step` -> (even, odd) fp16 [BLOCK_R, BLOCK_K/2]."""
+    kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    packed = tl.load(p_ptr + rows[:, None] * stride_p + kp[None, :], mask=mask_r[:, None] & (kp < K // 2)[None, :], other=0)
+    scale = tl.load(s_ptr + rows[:, None] * stride_s + ks[None, :], mask=mask_r[:, None] & (ks < K // 16)[None, :], other=0)
+    return decode_step(packed, scale, BLOCK_R, BLOCK_K)
+
+
+@triton.jit
 def _decode_kernel(p_ptr, s_ptr, o_ptr, R, K, stride_p, stride_s, stride_o,
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """Packed NVFP4 rows -> fp16 code * block scale, each BLOCK_K step as its even elements then its odd
     ones (`w4a4_tile`'s order), zeros past K: the operand layout of the DECODED tile."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     k0 = tl.program_id(1) * BLOCK_K
-    kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
     mask_r = offs_r < R
-    packed = tl.load(p_ptr + offs_r[:, None] * stride_p + kp[None, :], mask=mask_r[:, None] & (kp < K // 2)[None, :], other=0)
-    scale = tl.load(s_ptr + offs_r[:, None] * stride_s + ks[None, :], mask=mask_r[:, None] & (ks < K // 16)[None, :], other=0)
-    even, odd = decode_step(packed, scale, BLOCK_R, BLOCK_K)
+    even, odd = load_decode_step(p_ptr, s_ptr, offs_r, mask_r, k0, K, stride_p, stride_s, BLOCK_R, BLOCK_K)
     kh = k0 + tl.arange(0, BLOCK_K // 2)
     out = o_ptr + offs_r[:, None] * stride_o
     tl.store(out + kh[None, :], even, mask=mask_r[:, None])

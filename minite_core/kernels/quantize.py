@@ -10,7 +10,7 @@ fp32 bits (no reliance on the target's fp8 conversion), and E2M1 rounding counts
 to even. The output is bit-identical to the torch backend, which tests check on CPU (interpreter)
 and GPU.
 
-Dequantize decodes with the GEMM's own decode (`gemm.decode_step`: code * block scale, exact in fp16),
+Dequantize decodes with the GEMM's own decode (`gemm.load_decode_step`: code * block scale, exact in fp16),
 then multiplies by the global scale in fp32 and rounds once to the output dtype: `nvfp4.dequantize`'s
 arithmetic, in one pass over the packed bytes.
 """
@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .. import nvfp4
 from ..nvfp4 import BLOCK, NVFP4Tensor
-from .gemm import decode_step, interpreting
+from .gemm import interpreting, load_decode_step
 
 _E2M1_MAX = tl.constexpr(nvfp4.E2M1_MAX)
 _E4M3_MAX = tl.constexpr(nvfp4.E4M3_MAX)
@@ -133,12 +133,8 @@ def _dequantize_kernel(p_ptr, s_ptr, gs_ptr, o_ptr, R, K, stride_p, stride_s, st
     torch does (the interpreter's fp32 -> bf16 cast truncates; the GPU's would round as torch)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     k0 = tl.program_id(1) * BLOCK_K
-    kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
     ok = rows < R
-    packed = tl.load(p_ptr + rows[:, None] * stride_p + kp[None, :], mask=ok[:, None] & (kp < K // 2)[None, :], other=0)
-    scale = tl.load(s_ptr + rows[:, None] * stride_s + ks[None, :], mask=ok[:, None] & (ks < K // 16)[None, :], other=0)
-    even, odd = decode_step(packed, scale, BLOCK_R, BLOCK_K)
+    even, odd = load_decode_step(p_ptr, s_ptr, rows, ok, k0, K, stride_p, stride_s, BLOCK_R, BLOCK_K)
     gs = tl.load(gs_ptr + rows * stride_gs, mask=ok, other=1.0)[:, None]
     vals = tl.interleave(even.to(tl.float32) * gs, odd.to(tl.float32) * gs)  # element 2j, then 2j + 1
     if BF16_BITS:  # (values are finite: no NaN to keep)

@@ -386,8 +386,8 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
 
     async def start(body: _Sampling, prompt: list[int], events: asyncio.Queue | None, tag: int = 0):
         """Submit; returns (request, a future done when every choice finished). Streaming: the request's
-        tokens go to `events` as (tag, choice, token, logprob, finish), then (tag, None) when it is done."""
-        check(body)
+        tokens go to `events` as (tag, choice, token, logprob, finish), then (tag, None) when it is done.
+        The caller has run `check(body)`."""
         loop = asyncio.get_running_loop()
         finished = loop.create_future()
         on_token = (lambda *a: loop.call_soon_threadsafe(events.put_nowait, (tag, *a))) if events is not None else None
@@ -468,6 +468,7 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
         ended: set[int] = set()
         open_reqs = set(range(len(reqs)))
         want_lp = (body.logprobs is not None) if kind == "cmpl" else bool(body.logprobs)
+        top = body.top()
         try:
             while open_reqs:
                 try:
@@ -494,10 +495,10 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
                     ended.add(c)
                 lp_part = None
                 if want_lp:
-                    alts = q.top[len(toks[c]) - 1] if body.top() else None
+                    alts = q.top[len(toks[c]) - 1] if top else None
                     if kind == "cmpl":
                         lp_part = {"tokens": [piece(tok)], "token_logprobs": [lp],
-                                   "top_logprobs": [top_dict(tok, lp, alts)] if body.top() else None,
+                                   "top_logprobs": [top_dict(tok, lp, alts)] if top else None,
                                    "text_offset": [len(sent[c]) - len(delta)]}
                     else:
                         lp_part = {"content": [chat_logprob(tok, lp, alts)]}
