@@ -27,6 +27,7 @@ dicts raise ValueError naming the message; unreadable files raise ValueError nam
 """
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -171,22 +172,17 @@ def _messages(messages) -> list[dict]:
     return out
 
 
+@functools.cache
 def _unicode_to_byte() -> dict[str, int]:
     """The inverse of GPT-2's bytes_to_unicode (byte-level BPE writes each byte as one printable character)."""
-    global _U2B
-    if _U2B is None:
-        bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-        cs, n = bs[:], 0
-        for b in range(256):
-            if b not in bs:
-                bs.append(b)
-                cs.append(256 + n)
-                n += 1
-        _U2B = {chr(c): b for b, c in zip(bs, cs)}
-    return _U2B
-
-
-_U2B: dict | None = None
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:  # the unprintable bytes map to 256, 257, ... in order
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
 
 
 class Tokenizer:
