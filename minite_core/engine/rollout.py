@@ -18,7 +18,8 @@ versions decode in separate forwards: every op is batch-invariant, so splitting 
 
 The logprob of a sampled token is log_softmax(logits / temperature) over the full vocabulary, at that
 token (temperature 0, greedy, reports temperature 1); top-k and top-p only shape the distribution the
-token is drawn from. Sampling is batched (`sampler`): Gumbel-max with counter-based noise keyed by the
+token is drawn from. On request (SamplingParams.logprobs = N) each step also reports the N most likely
+tokens with their logprobs, and `prompt_logprobs` scores a request's prompt, both by the learner's functions. Sampling is batched (`sampler`): Gumbel-max with counter-based noise keyed by the
 sequence's seed (from the request's seed and the sample's index among its n) and the token's index, so
 a seeded request gives the same tokens whatever runs beside it.
 
