@@ -129,23 +129,25 @@ def read_calibration(file, vocab_size: int) -> list[list[int]]:
 def calibrate(model, sequences: list[list[int]]) -> dict[str, float]:
     """{linear module name: the largest |input| it sees} over `sequences`, run through `model`."""
     amax: dict[str, float] = defaultdict(float)
-    linear = model.linear
+    linears = model.linears
 
-    def observe(x, name):  # every linear's input passes here (experts: the tokens routed to them)
+    def observe(x, *names):  # every linear's input passes here (experts: the tokens routed to them)
         if x.numel():
-            amax[name] = max(amax[name], float(x.abs().amax()))
-        return linear(x, name)
+            a = float(x.abs().amax())
+            for name in names:
+                amax[name] = max(amax[name], a)
+        return linears(x, *names)
 
     by_len = defaultdict(list)
     for s in sequences:
         by_len[len(s)].append(s)
-    model.linear = observe
+    model.linears = observe
     try:
         for group in by_len.values():
             for i in range(0, len(group), _BATCH):
                 model.forward(torch.tensor(group[i:i + _BATCH], device=model.device))
     finally:
-        del model.linear
+        del model.linears
     return dict(amax)
 
 

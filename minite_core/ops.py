@@ -95,42 +95,46 @@ def quantize_weights(tensors: list, *, backend: str | None = None) -> list:
     return [quantize_triton(t.contiguous(), gs[i]) for i, t in enumerate(tensors)]
 
 
-def _check_linear(x, w, bias):
+def _check_linear(x, w, bias, name: str = "w"):
     check_float_input(x, "x", check_finite=False)
     if isinstance(w, NVFP4Tensor):
         wshape = w.shape
     elif isinstance(w, torch.Tensor):
         if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise TypeError(f"w must be an NVFP4Tensor or a float32/bfloat16/float16 tensor, got {w.dtype}")
+            raise TypeError(f"{name} must be an NVFP4Tensor or a float32/bfloat16/float16 tensor, got {w.dtype}")
         wshape = w.shape
     else:
-        raise TypeError(f"w must be an NVFP4Tensor or a torch.Tensor, got {type(w).__name__}")
+        raise TypeError(f"{name} must be an NVFP4Tensor or a torch.Tensor, got {type(w).__name__}")
     if len(wshape) != 2:
-        raise ValueError(f"w must be 2-D [N, K], got shape {tuple(wshape)}")
+        raise ValueError(f"{name} must be 2-D [N, K], got shape {tuple(wshape)}")
     if x.shape[-1] != wshape[1]:
-        raise ValueError(f"shape mismatch: x has K={x.shape[-1]} (shape {tuple(x.shape)}) but w is {tuple(wshape)}")
+        raise ValueError(f"shape mismatch: x has K={x.shape[-1]} (shape {tuple(x.shape)}) but {name} is {tuple(wshape)}")
     if x.device != w.device:
-        raise ValueError(f"x is on {x.device} but w is on {w.device}")
+        raise ValueError(f"x is on {x.device} but {name} is on {w.device}")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != wshape[0]):
-        raise ValueError(f"bias must have shape ({wshape[0]},), got {tuple(bias.shape)}")
+        raise ValueError(f"bias of {name} must have shape ({wshape[0]},), got {tuple(bias.shape)}")
 
 
-def _gemm(x2: torch.Tensor, w, bias, out_dtype, backend: str, scale_mode: str):
-    """The forward product on 2-D x, both backends -> (out, the quantized x or None for plain weights)."""
+def _gemms(x2: torch.Tensor, ws: list, biases: list, out_dtype, backend: str, scale_mode: str):
+    """The forward products of 2-D x with each weight, both backends -> (outs, the quantized x or None for
+    plain weights). NVFP4: x is quantized once for all the weights."""
     xq = None
-    if isinstance(w, NVFP4Tensor):
+    if isinstance(ws[0], NVFP4Tensor):
         xq = quantize(x2, scale_mode=scale_mode, backend=backend, check_finite=False)
     if backend == "torch":
-        out = reference.mm_nvfp4(xq, w) if xq is not None else reference.mm_plain(x2.to(w.dtype), w)
-        if bias is not None:
-            out = out + bias.float()
-        return out.to(out_dtype), xq
-    from .kernels.gemm import gemm_triton
+        outs = []
+        for w, bias in zip(ws, biases):
+            out = reference.mm_nvfp4(xq, w) if xq is not None else reference.mm_plain(x2.to(w.dtype), w)
+            if bias is not None:
+                out = out + bias.float()
+            outs.append(out.to(out_dtype))
+        return outs, xq
+    from .kernels.gemm import gemm_many_triton
 
     _check_triton_device(x2, "x")
     if xq is not None:
-        return gemm_triton(xq, w, bias, out_dtype), xq
-    return gemm_triton(x2.to(w.dtype).contiguous(), w.contiguous(), bias, out_dtype), None
+        return gemm_many_triton(xq, ws, biases, out_dtype), xq
+    return gemm_many_triton(x2.to(ws[0].dtype).contiguous(), [w.contiguous() for w in ws], biases, out_dtype), None
 
 
 def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16, *, backend: str | None = None) -> torch.Tensor:
@@ -147,46 +151,57 @@ def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16, *, backend: 
     return dequantize_triton(t, dtype)
 
 
-class _Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w_tensor, bias, w, out_dtype, backend, scale_mode, bwd):
-        # w_tensor receives the weight gradient: the high-precision master w was quantized or cast from
-        # (training), else w itself for plain weights, or None (an NVFP4 weight without a master).
-        x2 = x.reshape(-1, x.shape[-1])
-        out, xq = _gemm(x2, w, bias, out_dtype, backend, scale_mode)
-        # the straight-through backward of an NVFP4 linear needs only Q(x); the others need x itself
-        keep_x = xq is None or bwd == "nvfp4"
-        ctx.save_for_backward(x if keep_x else None, w_tensor)
-        ctx.xq = None if keep_x else xq
-        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        ctx.w, ctx.bwd, ctx.has_bias, ctx.backend = w, bwd, bias is not None, backend
-        return out.reshape(*x.shape[:-1], w.shape[0])
+class _Linears(torch.autograd.Function):
+    """x @ w_i.T (+ b_i) for n weights of one input: one output per weight."""
 
     @staticmethod
-    def backward(ctx, grad_out):
-        x, w_tensor = ctx.saved_tensors
+    def forward(ctx, x, ws, out_dtype, backend, scale_mode, bwd, *params):
+        # params: per weight, the tensor that receives its gradient (the high-precision master it was
+        # quantized or cast from while training, else a plain w itself, or None for an NVFP4 weight
+        # without a master), then the n biases.
+        n = len(ws)
+        w_tensors, biases = params[:n], params[n:]
+        x2 = x.reshape(-1, x.shape[-1])
+        outs, xq = _gemms(x2, list(ws), list(biases), out_dtype, backend, scale_mode)
+        # the straight-through backward of an NVFP4 linear needs only Q(x); the others need x itself
+        keep_x = xq is None or bwd == "nvfp4"
+        ctx.save_for_backward(x if keep_x else None, *w_tensors)
+        ctx.xq = None if keep_x else xq
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.ws, ctx.bwd, ctx.has_bias, ctx.backend = ws, bwd, [b is not None for b in biases], backend
+        return tuple(out.reshape(*x.shape[:-1], w.shape[0]) for out, w in zip(outs, ws))
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        x, *w_tensors = ctx.saved_tensors
+        n = len(ctx.ws)
         need_x = ctx.needs_input_grad[0]
-        need_w = w_tensor is not None and ctx.needs_input_grad[1]
-        g2 = grad_out.reshape(-1, grad_out.shape[-1])
         x2 = x.reshape(-1, x.shape[-1]) if x is not None else None
-        if ctx.bwd == "nvfp4" and isinstance(ctx.w, NVFP4Tensor):
-            grad_x, grad_w = bwd.nvfp4_recipe(g2.float(), x2, ctx.w)
-        elif ctx.bwd == "fp8":
-            grad_x, grad_w = bwd.fp8_recipe(g2, x2, ctx.w, ctx.xq, need_x, need_w,
-                                            functools.partial(dequantize, backend=ctx.backend))
-        elif g2.is_cuda:
-            grad_x, grad_w = bwd.ste_cuda(g2, x2, ctx.w, ctx.xq, ctx.x_dtype if need_x else None,
-                                          w_tensor.dtype if need_w else None,
-                                          functools.partial(dequantize, backend=ctx.backend))
-        else:  # CPU: the fixed-order fp32 path (reproducible resumes)
-            grad_x, grad_w = bwd.ste_cpu(g2.float(), x2, ctx.w, ctx.xq)
+        grad_x, grad_ws, grad_bs = None, [], []
+        for i, (w, w_tensor, grad_out) in enumerate(zip(ctx.ws, w_tensors, grad_outs)):
+            need_w = w_tensor is not None and ctx.needs_input_grad[6 + i]
+            gx, gw = _linear_grads(ctx, grad_out.reshape(-1, grad_out.shape[-1]), x2, w, w_tensor, need_x, need_w)
+            if need_x:
+                gx = gx.reshape(ctx.x_shape).to(ctx.x_dtype)
+                grad_x = gx if grad_x is None else grad_x + gx  # the weights' order: fixed
+            grad_ws.append(gw.to(w_tensor.dtype) if need_w else None)
+            g2 = grad_out.reshape(-1, grad_out.shape[-1])
+            need_b = ctx.has_bias[i] and ctx.needs_input_grad[6 + n + i]
+            grad_bs.append((g2.sum(0, dtype=torch.float32) if g2.is_cuda else g2.float().sum(0)) if need_b else None)
         ctx.xq = None
-        grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype) if need_x else None
-        grad_w = grad_w.to(w_tensor.dtype) if need_w else None
-        grad_b = None
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = g2.sum(0, dtype=torch.float32) if g2.is_cuda else g2.float().sum(0)
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, None, None, None, None, None, *grad_ws, *grad_bs
+
+
+def _linear_grads(ctx, g2, x2, w, w_tensor, need_x: bool, need_w: bool):
+    """(grad_x, grad_w) of one weight by the recipe `ctx.bwd` (`minite_core.backward`)."""
+    if ctx.bwd == "nvfp4" and isinstance(w, NVFP4Tensor):
+        return bwd.nvfp4_recipe(g2.float(), x2, w)
+    if ctx.bwd == "fp8":
+        return bwd.fp8_recipe(g2, x2, w, ctx.xq, need_x, need_w, functools.partial(dequantize, backend=ctx.backend))
+    if g2.is_cuda:
+        return bwd.ste_cuda(g2, x2, w, ctx.xq, ctx.x_dtype if need_x else None, w_tensor.dtype if need_w else None,
+                            functools.partial(dequantize, backend=ctx.backend))
+    return bwd.ste_cpu(g2.float(), x2, w, ctx.xq)  # CPU: the fixed-order fp32 path (reproducible resumes)
 
 
 def linear(
@@ -213,19 +228,50 @@ def linear(
     copy of an fp32 master): the weight gradient then goes to the master in its dtype, straight from the
     fp32 accumulator (no bf16 rounding of the gradient, no cast of the master in the forward).
     """
+    return linears(x, [w], [bias], out_dtype=out_dtype, scale_mode=scale_mode, backend=backend,
+                   check_finite=check_finite, masters=[master], backward=backward)[0]
+
+
+def linears(
+    x: torch.Tensor,
+    ws: list,
+    biases: list | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
+    scale_mode: str = "row",
+    backend: str | None = None,
+    check_finite: bool = True,
+    masters: list | None = None,
+    backward: str = "ste",
+) -> list[torch.Tensor]:
+    """[linear(x, w, b, master=m) for w, b, m in zip(ws, biases, masters)], the same bits, in one pass:
+    several projections of one input (q/k/v, gate/up) share one activation quantize and, on the triton
+    backend, one GEMM launch (`kernels.gemm.gemm_many_triton`). The weights must be all NVFP4 or all plain
+    of one dtype; arguments as `linear`'s."""
     backend = resolve_backend(backend)
-    _check_linear(x, w, bias)
+    ws = list(ws)
+    biases = list(biases) if biases is not None else [None] * len(ws)
+    masters = list(masters) if masters is not None else [None] * len(ws)
+    if not ws or len(biases) != len(ws) or len(masters) != len(ws):
+        raise ValueError(f"linears needs one bias and one master (or None) per weight: {len(ws)} weights, "
+                         f"{len(biases)} biases, {len(masters)} masters")
+    for i, (w, bias) in enumerate(zip(ws, biases)):
+        _check_linear(x, w, bias, "w" if len(ws) == 1 else f"ws[{i}]")
+    kinds = {"nvfp4" if isinstance(w, NVFP4Tensor) else w.dtype for w in ws}
+    if len(kinds) > 1:
+        raise ValueError(f"linears: the weights must be all NVFP4 or all of one float dtype, got {sorted(map(str, kinds))}")
     if check_finite and x.numel() and not bool(torch.isfinite(x).all()):
         raise ValueError("x contains NaN or Inf values")
     if scale_mode not in ("row", "tensor"):
         raise ValueError(f"scale_mode must be 'row' or 'tensor', got {scale_mode!r}")
     if backward not in bwd.BACKWARDS:
         raise ValueError(f"backward must be one of {bwd.BACKWARDS}, got {backward!r}")
-    if master is not None and tuple(master.shape) != tuple(w.shape):
-        raise ValueError(f"master weight has shape {tuple(master.shape)}, but w is {tuple(w.shape)}")
+    for w, master in zip(ws, masters):
+        if master is not None and tuple(master.shape) != tuple(w.shape):
+            raise ValueError(f"master weight has shape {tuple(master.shape)}, but w is {tuple(w.shape)}")
     out_dtype = out_dtype or x.dtype
-    w_tensor = master if master is not None or isinstance(w, NVFP4Tensor) else w
-    return _Linear.apply(x, w_tensor, bias, w, out_dtype, backend, scale_mode, backward)
+    w_tensors = [m if m is not None or isinstance(w, NVFP4Tensor) else w for w, m in zip(ws, masters)]
+    return list(_Linears.apply(x, tuple(ws), out_dtype, backend, scale_mode, backward, *w_tensors, *biases))
 
 
 # ------------------------------------------------------------------------------- row-local ops

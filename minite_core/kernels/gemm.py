@@ -55,6 +55,12 @@ So a config may vary with M in everything but BLOCK_K, S, the even/odd split and
 tests compare gemm(x[:1]) with gemm(x)[:1] and each row alone with the row in a batch, for M across
 every bucket (1 .. 300) and shapes with S = 1, 2, 4 (split and walk), and the grouped kernel with this one.
 
+Several weights, one launch (`gemm_many_triton`): the q/k/v (gate/up) projections of a layer read the
+same activation; up to three weights with the same tile config (so the same K chunks) run in one launch,
+their column tiles side by side, each tile aligned to its weight, so a program computes a tile of one
+weight with that weight's pointers, exactly as a launch for it alone would (`_pick` selects them by tile
+column). A decode step saves the launches (and the combines) of the other weights; the bits do not change.
+
 Under TRITON_INTERPRET=1 (CPU tests) tiles are smaller (BLOCK_K = 64, the same bucket structure), and
 the plain (non-FP4) path multiplies tiles with an elementwise product and `tl.sum` instead of `tl.dot`:
 the interpreter's bf16 dot is wrong, and its fp32 dot calls BLAS, whose result for a row depends on the
@@ -204,67 +210,95 @@ def _store_out(acc, bias_ptr, c_ptr, stride_cm, offs_m, mask_m, offs_n, mask_n, 
 
 
 @triton.jit
+def _pick(seg, v0, v1, v2, NSEG: tl.constexpr):
+    """Segment `seg`'s value (a scalar or a pointer) of a launch over NSEG weights."""
+    if NSEG == 1:
+        return v0
+    if NSEG == 2:
+        return tl.where(seg == 0, v0, v1)
+    return tl.where(seg == 0, v0, tl.where(seg == 1, v1, v2))
+
+
+@triton.jit
 def _combine_kernel(
-    p_ptr, ags_ptr, bgs_ptr, bias_ptr, c_ptr, M, N, S, chunk_stride,
-    stride_ags, stride_bgs, stride_cm,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    p_ptr, ags_ptr, M, S, chunk_stride, n_total, stride_ags,
+    bgs0, sg0, bias0, c0, n0, bgs1, sg1, bias1, c1, n1, bgs2, sg2, bias2, c2, n2, t1, t2,
+    HAS_BIAS: tl.constexpr, NSEG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """The split programs' chunk sums [S, M, N] (fp32) -> out: total = ((0 + c0) + c1) + ... in chunk
-    order, then the dense kernel's epilogue: the same fp32 operations, in the same order, as the chunk walk
-    in `w4a4_tile` followed by the one-program epilogue."""
+    """The split programs' chunk sums [S, M, n_total] (fp32; the weights' columns side by side) -> each
+    weight's out: total = ((0 + c0) + c1) + ... in chunk order, then the dense kernel's epilogue: the same
+    fp32 operations, in the same order, as the chunk walk in `w4a4_tile` followed by the one-program
+    epilogue. Column tiles are aligned to the weights (t1, t2: the first tile of weights 1 and 2)."""
+    pid_n = tl.program_id(1)
+    seg = (pid_n >= t1).to(tl.int32) + (pid_n >= t2).to(tl.int32)
+    N = _pick(seg, n0, n1, n2, NSEG)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = (pid_n - _pick(seg, 0, t1, t2, NSEG)) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
     mask = mask_m[:, None] & mask_n[None, :]
-    ptrs = p_ptr + offs_m[:, None] * N + offs_n[None, :]
+    ptrs = p_ptr + offs_m[:, None] * n_total + (_pick(seg, 0, n0, n0 + n1, NSEG) + offs_n)[None, :]
     total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for s in range(0, S):
         total = total + tl.load(ptrs + s * chunk_stride, mask=mask, other=0.0)
-    acc = w4a4_epilogue(total, ags_ptr, stride_ags, bgs_ptr, stride_bgs, offs_m, mask_m, offs_n, mask_n)
-    _store_out(acc, bias_ptr, c_ptr, stride_cm, offs_m, mask_m, offs_n, mask_n, HAS_BIAS)
+    acc = w4a4_epilogue(total, ags_ptr, stride_ags, _pick(seg, bgs0, bgs1, bgs2, NSEG), _pick(seg, sg0, sg1, sg2, NSEG),
+                        offs_m, mask_m, offs_n, mask_n)
+    _store_out(acc, _pick(seg, bias0, bias1, bias2, NSEG), _pick(seg, c0, c1, c2, NSEG), N,
+               offs_m, mask_m, offs_n, mask_n, HAS_BIAS)
 
 
 @triton.jit
 def _gemm_kernel(
-    a_ptr, as_ptr, ags_ptr, b_ptr, bs_ptr, bgs_ptr, bias_ptr, c_ptr, p_ptr,
-    M, N, K, chunk_k,
-    stride_am, stride_asm, stride_ags, stride_bn, stride_bsn, stride_bgs, stride_cm,
+    a_ptr, as_ptr, ags_ptr,
+    b0, bs0, bgs0, sg0, bias0, c0, n0, b1, bs1, bgs1, sg1, bias1, c1, n1, b2, bs2, bgs2, sg2, bias2, c2, n2,
+    p_ptr, M, K, chunk_k, n_total, t1, t2, grid_n,
+    stride_am, stride_asm, stride_ags, stride_bn, stride_bsn,
     FP4: tl.constexpr, DOT_FP32: tl.constexpr, DOT_BY_SUM: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, HAS_BIAS: tl.constexpr,
-    CHUNKED: tl.constexpr, SPLIT: tl.constexpr, DECODED: tl.constexpr,
+    CHUNKED: tl.constexpr, SPLIT: tl.constexpr, DECODED: tl.constexpr, NSEG: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """FP4: SPLIT, program (tile, c) writes chunk c's partial of its tile to p_ptr [S, M, N] (fp32) and
-    `_combine_kernel` finishes; else the program walks every chunk in order and finishes itself, on packed
-    operands or (DECODED) on `decode_nvfp4`'s fp16 ones."""
+    """x @ w_i.T for NSEG (1-3) weights w_i [n_i, K] of one launch, each into its own contiguous out c_i:
+    the column tiles are aligned to the weights (t1, t2: the first tile column of weights 1 and 2), so a
+    program computes a tile of one weight, exactly as a launch for that weight alone would.
+    FP4: SPLIT, program (tile, c) writes chunk c's partial of its tile to p_ptr [S, M, n_total] (fp32, the
+    weights' columns side by side) and `_combine_kernel` finishes; else the program walks every chunk in
+    order and finishes itself, on packed operands or (DECODED) on `decode_nvfp4`'s fp16 ones. grid_n: the
+    tile columns of all the weights."""
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * grid_n)
     first_m = group * GROUP_M
     size_m = tl.minimum(grid_m - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * grid_n)) % size_m
     pid_n = (pid % (GROUP_M * grid_n)) // size_m
+    seg = (pid_n >= t1).to(tl.int32) + (pid_n >= t2).to(tl.int32)
+    N = _pick(seg, n0, n1, n2, NSEG)
+    b_ptr = _pick(seg, b0, b1, b2, NSEG)
+    c_ptr = _pick(seg, c0, c1, c2, NSEG)
+    bias_ptr = _pick(seg, bias0, bias1, bias2, NSEG)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = (pid_n - _pick(seg, 0, t1, t2, NSEG)) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
     if FP4:
+        bs_ptr = _pick(seg, bs0, bs1, bs2, NSEG)
         if SPLIT:
             pid_k = tl.program_id(1)
             k_lo = tl.multiple_of(pid_k * chunk_k, BLOCK_K)  # so the scale loads keep their vector width
             acc = w4a4_tile(a_ptr, as_ptr, b_ptr, bs_ptr, offs_m, mask_m, offs_n, mask_n, K, k_lo, tl.minimum(k_lo + chunk_k, K),
                             chunk_k, stride_am, stride_asm, stride_bn, stride_bsn, EVEN_K, SWAP_AB, False,
                             BLOCK_M, BLOCK_N, BLOCK_K)  # one chunk: its raw chain c_i (no second accumulator)
-            p = p_ptr + pid_k.to(tl.int64) * M * N + offs_m[:, None] * N + offs_n[None, :]
+            col = _pick(seg, 0, n0, n0 + n1, NSEG) + offs_n
+            p = p_ptr + pid_k.to(tl.int64) * M * n_total + offs_m[:, None] * n_total + col[None, :]
             tl.store(p, acc, mask=mask_m[:, None] & mask_n[None, :])
         else:
             acc = w4a4_tile(a_ptr, as_ptr, b_ptr, bs_ptr, offs_m, mask_m, offs_n, mask_n, K, 0, K, chunk_k,
                             stride_am, stride_asm, stride_bn, stride_bsn, EVEN_K, SWAP_AB, CHUNKED, BLOCK_M, BLOCK_N, BLOCK_K,
                             DECODED)
-            acc = w4a4_epilogue(acc, ags_ptr, stride_ags, bgs_ptr, stride_bgs, offs_m, mask_m, offs_n, mask_n)
-            _store_out(acc, bias_ptr, c_ptr, stride_cm, offs_m, mask_m, offs_n, mask_n, HAS_BIAS)
+            acc = w4a4_epilogue(acc, ags_ptr, stride_ags, _pick(seg, bgs0, bgs1, bgs2, NSEG), _pick(seg, sg0, sg1, sg2, NSEG),
+                                offs_m, mask_m, offs_n, mask_n)
+            _store_out(acc, bias_ptr, c_ptr, N, offs_m, mask_m, offs_n, mask_n, HAS_BIAS)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -279,7 +313,7 @@ def _gemm_kernel(
                 acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
-        _store_out(acc, bias_ptr, c_ptr, stride_cm, offs_m, mask_m, offs_n, mask_n, HAS_BIAS)
+        _store_out(acc, bias_ptr, c_ptr, N, offs_m, mask_m, offs_n, mask_n, HAS_BIAS)
 
 
 @triton.jit
@@ -413,49 +447,119 @@ def _flat_gs(t: NVFP4Tensor):
     return gs, (0 if t.global_scale.dim() == 0 else 1)
 
 
+MAX_SEGMENTS = 3  # weights per launch (q/k/v)
+
+
 def gemm_triton(x, w, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """x [M, K] @ w [N, K].T (+ bias): both NVFP4Tensor, or both plain tensors of one float dtype."""
-    fp4 = isinstance(w, NVFP4Tensor)
+    return gemm_many_triton(x, [w], [bias], out_dtype)[0]
+
+
+def gemm_many_triton(x, ws: list, biases: list, out_dtype: torch.dtype) -> list[torch.Tensor]:
+    """[x @ w.T (+ b) for w, b in zip(ws, biases)], each [M, N_w] in `out_dtype`, with the bits of
+    `gemm_triton(x, w, b)` for each weight, in as few launches as the weights allow: consecutive weights
+    with the same tile config (the same K chunks, so the same reduction order) and bias presence, up to
+    MAX_SEGMENTS of them, share one launch (and one combine); each program still computes a tile of one
+    weight. A decode step's q/k/v (or gate/up) projections take one launch instead of three (two), and
+    an activation decoded for the wide tiles is decoded once for all of them."""
+    fp4 = isinstance(ws[0], NVFP4Tensor)
     m, k = x.shape
-    n = w.shape[0]
-    c = torch.empty(m, n, dtype=out_dtype, device=x.device)
-    if m == 0 or n == 0:
-        return c
-    cfg = dict(gemm_config(m, n, k, fp4))
+    outs = [torch.empty(m, w.shape[0], dtype=out_dtype, device=x.device) for w in ws]
+    if m == 0:
+        return outs
+    cfgs = [gemm_config(m, w.shape[0], k, fp4) for w in ws]
+    launches = launch_groups(cfgs, ws, biases)
+    xd = None
+    if fp4 and cfgs[0].get("DECODED"):  # the wide tiles' decoded activation, shared by every launch
+        xd = decode_nvfp4(x, cfgs[0]["BLOCK_K"])
+    for idx in launches:
+        segs = [(ws[i], biases[i], outs[i]) for i in idx if ws[i].shape[0]]
+        if segs:
+            _launch(x, xd, segs, cfgs[idx[0]], fp4)
+    return outs
+
+
+def launch_groups(cfgs: list, ws: list, biases: list) -> list[range]:
+    """The weights (by index) that share a launch: consecutive ones, at most MAX_SEGMENTS, with one tile
+    config, one row layout and all or none with a bias."""
+    out, i = [], 0
+    while i < len(ws):
+        j = i + 1
+        while (j < len(ws) and j - i < MAX_SEGMENTS and cfgs[j] == cfgs[i] and _layout(ws[j]) == _layout(ws[i])
+               and (biases[j] is None) == (biases[i] is None)):
+            j += 1
+        out.append(range(i, j))
+        i = j
+    return out
+
+
+def _layout(w) -> tuple:
+    """What weights sharing a launch must have in common besides the config: dtype and row strides."""
+    if isinstance(w, NVFP4Tensor):
+        return w.data.stride(), w.scale.stride()
+    return w.dtype, w.stride()
+
+
+def _launch(x, xd, segs: list, cfg: dict, fp4: bool) -> None:
+    """One launch (and one combine, for split K chunks) over up to three (w, bias, out) of one config."""
+    m, k = x.shape
+    cfg = dict(cfg)
     cfg.setdefault("SWAP_AB", False)
     chunks = cfg.pop("CHUNKS", 1)
     split = cfg.pop("SPLIT", False)
     decoded = cfg.pop("DECODED", False)
-    bk = cfg["BLOCK_K"]
+    bk, bn = cfg["BLOCK_K"], cfg["BLOCK_N"]
     chunk_k = triton.cdiv(triton.cdiv(k, bk), chunks) * bk  # elements per chunk (a multiple of BLOCK_K)
-    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    has_bias = segs[0][1] is not None
+    seg_args = []  # per weight: data, scale bytes, global scale, its stride, bias, out, N
+    for w, bias, c in segs:
+        bias_arg = bias if has_bias else c
+        if fp4:
+            bgs, s_bgs = _flat_gs(w)
+            if decoded:
+                wd = decode_nvfp4(w, bk)
+                seg_args.append((wd, wd, bgs, s_bgs, bias_arg, c, w.shape[0]))
+            else:
+                seg_args.append((w.data, w.scale.view(torch.uint8), bgs, s_bgs, bias_arg, c, w.shape[0]))
+        else:
+            seg_args.append((w, w, w, 0, bias_arg, c, w.shape[0]))
+    b0 = seg_args[0][0]
     if fp4:
         ags, s_ags = _flat_gs(x)
-        bgs, s_bgs = _flat_gs(w)
         if decoded:
-            xd, wd = decode_nvfp4(x, bk), decode_nvfp4(w, bk)
-            args = (xd, xd, ags, wd, wd, bgs)
-            strides = (xd.stride(0), 0, s_ags, wd.stride(0), 0, s_bgs)
+            a_args, strides = (xd, xd, ags), (xd.stride(0), 0, s_ags, b0.stride(0), 0)
         else:
-            args = (x.data, x.scale.view(torch.uint8), ags, w.data, w.scale.view(torch.uint8), bgs)
-            strides = (x.data.stride(0), x.scale.stride(0), s_ags, w.data.stride(0), w.scale.stride(0), s_bgs)
-        dot_fp32 = False
+            a_args = (x.data, x.scale.view(torch.uint8), ags)
+            strides = (x.data.stride(0), x.scale.stride(0), s_ags, b0.stride(0), segs[0][0].scale.stride(0))
     else:
-        args = (x, x, x, w, w, w)
-        strides = (x.stride(0), 0, 0, w.stride(0), 0, 0)
-        dot_fp32 = x.dtype == torch.float32
-    bias_arg = bias if bias is not None else c
-    # split: chunk partials [S, M, N] fp32 (torch.empty: no sync, graph-capturable), then the combine kernel
-    part = torch.empty(chunks, m, n, dtype=torch.float32, device=x.device) if split else c
-    _gemm_kernel[(tiles, chunks if split else 1)](
-        *args, bias_arg, c, part, m, n, k, chunk_k, *strides, c.stride(0),
-        FP4=fp4, DOT_FP32=dot_fp32, DOT_BY_SUM=interpreting() and not fp4, EVEN_K=k % bk == 0, HAS_BIAS=bias is not None,
-        CHUNKED=chunks > 1, SPLIT=split, DECODED=decoded, **cfg,
+        a_args, strides = (x, x, x), (x.stride(0), 0, 0, b0.stride(0), 0)
+    ns = [a[6] for a in seg_args]
+    n_total = sum(ns)
+    t1, t2, grid_n = _tile_bounds(ns, bn)
+    padded = seg_args + [seg_args[0]] * (MAX_SEGMENTS - len(seg_args))  # unused slots (NSEG tells)
+    flat = [v for a in padded for v in a]
+    # split: chunk partials [S, M, n_total] fp32 (torch.empty: no sync, graph-capturable), then the combine kernel
+    part = torch.empty(chunks, m, n_total, dtype=torch.float32, device=x.device) if split else segs[0][2]
+    _gemm_kernel[(triton.cdiv(m, cfg["BLOCK_M"]) * grid_n, chunks if split else 1)](
+        *a_args, *flat, part, m, k, chunk_k, n_total, t1, t2, grid_n, *strides,
+        FP4=fp4, DOT_FP32=not fp4 and x.dtype == torch.float32, DOT_BY_SUM=interpreting() and not fp4,
+        EVEN_K=k % bk == 0, HAS_BIAS=has_bias, CHUNKED=chunks > 1, SPLIT=split, DECODED=decoded, NSEG=len(segs), **cfg,
     )
     if split:
         cbm, cbn = (16, 32) if interpreting() else (32, 128)
-        _combine_kernel[(triton.cdiv(m, cbm), triton.cdiv(n, cbn))](
-            part, ags, bgs, bias_arg, c, m, n, chunks, m * n, s_ags, s_bgs, c.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=cbm, BLOCK_N=cbn, num_warps=4,
+        c1, c2, cgrid_n = _tile_bounds(ns, cbn)
+        comb = [v for (_, _, bgs, s_bgs, bias_arg, c, n) in padded for v in (bgs, s_bgs, bias_arg, c, n)]
+        _combine_kernel[(triton.cdiv(m, cbm), cgrid_n)](
+            part, a_args[2], m, chunks, m * n_total, n_total, strides[2], *comb, c1, c2,
+            HAS_BIAS=has_bias, NSEG=len(segs), BLOCK_M=cbm, BLOCK_N=cbn, num_warps=4,
         )
-    return c
+
+
+def _tile_bounds(ns: list, block_n: int) -> tuple[int, int, int]:
+    """Tile columns of weights of widths `ns` laid side by side, each starting a new tile -> (first tile
+    of weight 1, first tile of weight 2, all tile columns); an absent weight starts past the end."""
+    tiles = [triton.cdiv(n, block_n) for n in ns]
+    total = sum(tiles)
+    t1 = tiles[0] if len(ns) > 1 else total
+    t2 = tiles[0] + tiles[1] if len(ns) > 2 else total
+    return t1, t2, total

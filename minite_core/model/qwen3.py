@@ -216,12 +216,19 @@ class Qwen3:
         return w
 
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        w, bias = self.param(name + ".weight"), self.param(name + ".bias")
+        return self.linears(x, name)[0]
+
+    def linears(self, x: torch.Tensor, *names: str) -> list[torch.Tensor]:
+        """The projections `names` of one input (q/k/v, gate/up): one activation quantize and one GEMM
+        launch for all of them (`ops.linears`), the bits of separate `ops.linear` calls."""
+        ws = [self.param(n + ".weight") for n in names]
+        biases = [self.param(n + ".bias") for n in names]
         if self.knobs.matmul == "library":
-            return library_linear(x, w, bias, out_dtype=self.dtype, scale_mode=self.knobs.act_scale)
-        master = self.masters.get(name + ".weight") if self.masters is not None and isinstance(w, NVFP4Tensor) else None
-        return ops.linear(x, w, bias, out_dtype=self.dtype, backend=self.backend, scale_mode=self.knobs.act_scale,
-                          check_finite=False, master=master, backward=self.backward)
+            return [library_linear(x, w, b, out_dtype=self.dtype, scale_mode=self.knobs.act_scale) for w, b in zip(ws, biases)]
+        masters = [self.masters.get(n + ".weight") if self.masters is not None and isinstance(w, NVFP4Tensor) else None
+                   for n, w in zip(names, ws)]
+        return ops.linears(x, ws, biases, out_dtype=self.dtype, backend=self.backend, scale_mode=self.knobs.act_scale,
+                           check_finite=False, masters=masters, backward=self.backward)
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return ops.rms_norm(x, self.param(name + ".weight"), self.cfg.rms_norm_eps, backend=self.backend)
@@ -232,7 +239,8 @@ class Qwen3:
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
     def mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
-        return self.linear(ops.silu_mul(self.linear(x, p + "gate_proj"), self.linear(x, p + "up_proj")), p + "down_proj")
+        gate, up = self.linears(x, p + "gate_proj", p + "up_proj")
+        return self.linear(ops.silu_mul(gate, up, backend=self.backend), p + "down_proj")
 
     def moe(self, x: torch.Tensor, p: str) -> torch.Tensor:
         """Top-k routing; each token sums its experts' outputs in ascending expert order (as HF's eager path)."""
@@ -289,15 +297,15 @@ class Qwen3:
         for i in range(cfg.num_hidden_layers):
             p, n = f"model.layers.{i}.", f"layers.{i}."
             h = emit(n + "input_norm", self.norm(x, p + "input_layernorm"))
-            q = emit(n + "q_proj", self.linear(h, p + "self_attn.q_proj"))
-            k = emit(n + "k_proj", self.linear(h, p + "self_attn.k_proj"))
-            v = emit(n + "v_proj", self.linear(h, p + "self_attn.v_proj"))
+            q, k, v = self.linears(h, *(p + f"self_attn.{z}_proj" for z in "qkv"))
+            q, k, v = emit(n + "q_proj", q), emit(n + "k_proj", k), emit(n + "v_proj", v)
             q = emit(n + "q_norm", self.norm(q.view(b, t, hq, d), p + "self_attn.q_norm").flatten(2))
             k = emit(n + "k_norm", self.norm(k.view(b, t, hkv, d), p + "self_attn.k_norm").flatten(2))
             q, k, v = (z.view(b, t, -1, d).transpose(1, 2) for z in (q, k, v))
             q = ops.rope(q, cos, sin, backend=self.backend)
             k = ops.rope(k, cos, sin, backend=self.backend)
-            emit(n + "rope", torch.cat([q, k], 1).transpose(1, 2).flatten(2))
+            if capture is not None:
+                emit(n + "rope", torch.cat([q, k], 1).transpose(1, 2).flatten(2))
             if cache is not None:
                 if self.cache_dtype != self.dtype:  # knob: the cache holds values rounded to another dtype
                     k, v = k.to(self.cache_dtype).to(self.dtype), v.to(self.cache_dtype).to(self.dtype)

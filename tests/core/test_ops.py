@@ -250,6 +250,52 @@ def test_linear_empty_batch(backend):
     assert ops.linear(_rand(0, 64), w, backend=backend).shape == (0, 24)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("wkind", ["nvfp4-tensor", "nvfp4-row", "bf16"])
+def test_linears_equal_separate_linears(backend, wkind):
+    """q/k/v in one call (one activation quantize, one GEMM launch on the triton backend): the bits of three
+    `linear` calls, for an M on each tile path; the gradients those calls give (autograd sums the three
+    dgrads in some order: to fp32 rounding)."""
+    k = 96 if DEVICE == "cpu" else 1024
+    widths = (40, 24, 24) if DEVICE == "cpu" else (2048, 1024, 1024)
+    masters = [_rand(n, k, seed=70 + i) * 0.1 for i, n in enumerate(widths)]
+    ws = [_weights(n, k, seed=70 + i)[wkind] for i, n in enumerate(widths)]
+    for m in (5, 140):
+        x = _rand(m, k, seed=9).to(torch.bfloat16)
+        got = ops.linears(x, ws, backend=backend)
+        assert [tuple(y.shape) for y in got] == [(m, n) for n in widths]
+        for w, y in zip(ws, got):
+            assert torch.equal(y, ops.linear(x, w, backend=backend))
+    # training: the masters and x receive the gradients of separate linears
+    x = _rand(7, k, seed=10).to(torch.bfloat16)
+    gs = [_rand(7, n, seed=80 + i).to(torch.bfloat16) for i, n in enumerate(widths)]
+    leaves = [[m.clone().requires_grad_(True) for m in masters] for _ in range(2)]
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    plain = not wkind.startswith("nvfp4")
+    def args(i, j):  # a plain weight is the master's cast (autograd's path); an NVFP4 one takes it as master
+        return (leaves[i][j].to(torch.bfloat16), None) if plain else (ws[j], leaves[i][j])
+    outs = ops.linears(xs[0], [args(0, j)[0] for j in range(3)], masters=[args(0, j)[1] for j in range(3)],
+                       backend=backend)
+    torch.autograd.backward(outs, gs)
+    for j in range(3):
+        w, master = args(1, j)
+        ops.linear(xs[1], w, master=master, backend=backend).backward(gs[j])
+    for a, b in zip(leaves[0], leaves[1]):
+        assert torch.equal(a.grad, b.grad)
+    assert torch.allclose(xs[0].grad.float(), xs[1].grad.float(), rtol=2**-7, atol=1e-6)
+
+
+def test_linears_bad_input_is_named():
+    w = _weights(24, 64)
+    x = _rand(3, 64)
+    with pytest.raises(ValueError, match="all NVFP4 or all of one float dtype"):
+        ops.linears(x, [w["nvfp4-tensor"], w["bf16"]])
+    with pytest.raises(ValueError, match="one bias and one master"):
+        ops.linears(x, [w["bf16"], w["bf16"]], [None])
+    with pytest.raises(ValueError, match=r"ws\[1\]"):
+        ops.linears(x, [w["bf16"], _weights(24, 32)["bf16"]])
+
+
 # ------------------------------------------------------------------------------------------------ autograd
 
 

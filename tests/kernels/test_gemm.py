@@ -1,0 +1,93 @@
+"""Several weights in one GEMM launch (`gemm.gemm_many_triton`, the q/k/v and gate/up projections of a
+layer): each output has the bits of a launch for that weight alone, for every tile path (swapped split
+K chunks + combine, the one-program chunk walk, decoded wide tiles, plain dtypes), with biases, and with
+weights that cannot share a launch (other K chunks, biases on some only); which weights share one.
+
+On a CPU machine the kernels run under the Triton interpreter (small shapes); on a GPU, on the GPU.
+"""
+import pytest
+import torch
+from tests.backends import DEVICE, HAS_CUDA, HAS_TRITON
+
+from minite_core import nvfp4
+
+pytestmark = [pytest.mark.gpu if HAS_CUDA else pytest.mark.interpreter,
+              pytest.mark.skipif(not HAS_TRITON, reason="triton missing")]
+
+if HAS_TRITON:
+    from minite_core.kernels import gemm
+
+
+def _rand(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(*shape, generator=g) * torch.exp(torch.randn(*shape[:-1], 1, generator=g))
+    return rows.to(DEVICE)
+
+
+# (K, widths of the weights) with one K chunk count for all widths (they share one launch), and M values
+# on the swapped split path (M <= 128, S > 1), and the wide decoded walk (M > 128)
+if DEVICE == "cpu":
+    K, WIDTHS, MS = 96, (40, 24, 24), (3, 17, 140)  # interpreter: S = 2 for N <= 64
+else:
+    K, WIDTHS, MS = 1024, (2048, 1024, 1024), (1, 16, 100, 300)  # Qwen3-0.6B q/k/v: S = 8
+
+
+def _weights(widths, mode="tensor", seed=10):
+    return [nvfp4.quantize(_rand(n, K, seed=seed + i) * 0.1, scale_mode=mode) for i, n in enumerate(widths)]
+
+
+@pytest.mark.parametrize("mode", ["tensor", "row"])
+@pytest.mark.parametrize("m", MS)
+def test_weights_in_one_launch_have_the_bits_of_separate_launches(mode, m):
+    ws = _weights(WIDTHS, mode)
+    assert len({gemm.k_chunks(w.shape[0], K) for w in ws}) == 1
+    cfgs = [gemm.gemm_config(m, w.shape[0], K, True) for w in ws]
+    assert gemm.launch_groups(cfgs, ws, [None] * 3) == [range(0, 3)]  # q/k/v: one launch
+    xq = nvfp4.quantize(_rand(m, K, seed=3))
+    for dtype in (torch.float32, torch.bfloat16):
+        outs = gemm.gemm_many_triton(xq, ws, [None] * 3, dtype)
+        for w, out in zip(ws, outs):
+            assert out.shape == (m, w.shape[0]) and out.dtype == dtype
+            assert torch.equal(out, gemm.gemm_triton(xq, w, None, dtype))
+    biases = [_rand(1, w.shape[0], seed=20 + i)[0].to(torch.bfloat16) for i, w in enumerate(ws)]
+    outs = gemm.gemm_many_triton(xq, ws, biases, torch.bfloat16)
+    for w, b, out in zip(ws, biases, outs):
+        assert torch.equal(out, gemm.gemm_triton(xq, w, b, torch.bfloat16))
+
+
+def test_weights_that_cannot_share_a_launch_get_their_own():
+    """Other K chunk counts, a bias on some weights only, more than three weights: separate launches, the
+    same bits as single launches."""
+    wide = 8 * WIDTHS[0]  # enough tile columns that S drops
+    ws = _weights((WIDTHS[1], wide, WIDTHS[2], WIDTHS[1], WIDTHS[2]), seed=30)
+    assert gemm.k_chunks(wide, K) != gemm.k_chunks(WIDTHS[1], K)
+    biases = [None, None, None, None, _rand(1, WIDTHS[2], seed=5)[0]]
+    m = MS[1]
+    cfgs = [gemm.gemm_config(m, w.shape[0], K, True) for w in ws]
+    assert gemm.launch_groups(cfgs, ws, biases) == [range(0, 1), range(1, 2), range(2, 4), range(4, 5)]
+    xq = nvfp4.quantize(_rand(m, K, seed=4))
+    outs = gemm.gemm_many_triton(xq, ws, biases, torch.float32)
+    for w, b, out in zip(ws, biases, outs):
+        assert torch.equal(out, gemm.gemm_triton(xq, w, b, torch.float32))
+    four = _weights((WIDTHS[1],) * 4, seed=40)
+    assert [len(r) for r in gemm.launch_groups(cfgs[:1] * 4, four, [None] * 4)] == [3, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_plain_weights_in_one_launch(dtype):
+    ws = [(_rand(n, K, seed=50 + i) * 0.1).to(dtype) for i, n in enumerate(WIDTHS)]
+    for m in (MS[0], MS[-1]):
+        x = _rand(m, K, seed=6).to(dtype)
+        outs = gemm.gemm_many_triton(x, ws, [None] * 3, dtype)
+        for w, out in zip(ws, outs):
+            assert torch.equal(out, gemm.gemm_triton(x, w, None, dtype))
+
+
+def test_empty_rows_and_empty_weights():
+    ws = _weights((WIDTHS[1], 0, WIDTHS[2]), seed=60)
+    xq = nvfp4.quantize(_rand(MS[1], K, seed=7))
+    outs = gemm.gemm_many_triton(xq, ws, [None] * 3, torch.float32)
+    assert [o.shape for o in outs] == [(MS[1], WIDTHS[1]), (MS[1], 0), (MS[1], WIDTHS[2])]
+    assert torch.equal(outs[2], gemm.gemm_triton(xq, ws[2], None, torch.float32))
+    empty = nvfp4.NVFP4Tensor(xq.data[:0], xq.scale[:0], xq.global_scale[:0], (0, K))
+    assert [o.shape for o in gemm.gemm_many_triton(empty, ws, [None] * 3, torch.float32)] == [(0, n) for n in (WIDTHS[1], 0, WIDTHS[2])]
