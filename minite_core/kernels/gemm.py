@@ -75,7 +75,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..nvfp4 import BLOCK, NVFP4Tensor
+from ..nvfp4 import NVFP4Tensor
 
 
 def interpreting() -> bool:
