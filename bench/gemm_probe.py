@@ -30,6 +30,8 @@ import triton  # noqa: E402
 
 from minite_core.kernels import gemm as gemm_mod  # noqa: E402
 from minite_core.kernels import grouped_gemm as gg  # noqa: E402
+from minite_core.kernels import quantize as qmod  # noqa: E402
+from minite_core.kernels import rows as rows_mod  # noqa: E402
 
 SHAPE = (12288, 4096)  # N, K of the dense projection in bench/gemm.py
 
@@ -41,25 +43,39 @@ def _bin(name: str) -> str:
 # --------------------------------------------------------------------------------------- sm_90, on the CPU
 
 _PTRS = dict(a_ptr="*u8", as_ptr="*u8", ags_ptr="*fp32", b_ptr="*u8", bs_ptr="*u8", bgs_ptr="*fp32",
-             bias_ptr="*bf16", c_ptr="*bf16", off_ptr="*i32", p_ptr="*fp32")
+             bias_ptr="*bf16", c_ptr="*bf16", off_ptr="*i32", p_ptr="*fp32",
+             # the row kernels (bf16 activations, NVFP4 outputs)
+             X="*bf16", W="*bf16", Y="*bf16", RSTD="*fp32", Q="*u8", QS="*u8", QGS="*fp32", GATE="*bf16", UP="*bf16",
+             OUT="*bf16", x_ptr="*bf16", data_ptr="*u8", scale_ptr="*u8", gs_ptr="*fp32")
+for _i in range(3):  # the GEMM's weights of one launch (segments)
+    _PTRS.update({f"b{_i}": "*u8", f"bs{_i}": "*u8", f"bgs{_i}": "*fp32", f"bias{_i}": "*bf16", f"c{_i}": "*bf16"})
+_FLOATS = ("nf", "eps")
+# int args that are not multiples of 16 (row counts, tile boundaries, strides that are 0 or 1)
+_NOT_DIV16 = ("M", "E", "R", "t1", "t2", "grid_n", "sg0", "sg1", "sg2", "stride_ags", "stride_bgs", "S", "chunk_stride")
 
 
 def _source(kernel, constexprs: dict, scalars_one: tuple):
     """ASTSource for `kernel` with pointer args aligned to 16 and the int args divisible by 16, except
-    those in `scalars_one` (strides that are 0 or 1)."""
+    those in `scalars_one` (strides that are 0 or 1). DECODED GEMMs read fp16 operands."""
     from triton.compiler import ASTSource
+
+    ptrs = dict(_PTRS)
+    if constexprs.get("DECODED"):
+        ptrs.update({a: "*fp16" for a in ("a_ptr", "as_ptr", "b0", "bs0", "b1", "bs1", "b2", "bs2")})
 
     names = kernel.arg_names
     sig, attrs = {}, {}
     for i, a in enumerate(names):
         if a in constexprs:
             sig[a] = "constexpr"
-        elif a in _PTRS:
-            sig[a] = _PTRS[a]
+        elif a in ptrs:
+            sig[a] = ptrs[a]
             attrs[(i,)] = [["tt.divisibility", 16]]
+        elif a in _FLOATS:
+            sig[a] = "fp32"
         else:
             sig[a] = "i32"
-            if a not in scalars_one and a not in ("M", "E"):
+            if a not in scalars_one and a not in _NOT_DIV16:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return ASTSource(kernel, sig, constexprs, attrs)
 
@@ -127,25 +143,39 @@ def probe_sm90(out: Path) -> list[dict]:
     n, k = SHAPE
     cases = []
     # SHAPE (S = 2), plus the Qwen3-0.6B decode shape 1024 x 1024 (S = 8) and N = 16384 (S = 1)
-    for (n_, k_), ms in ((SHAPE, (1, 16, 32, 64, 128, 4096)), ((1024, 1024), (64, 4096)), ((16384, 4096), (4096,))):
+    for (n_, k_), ms in ((SHAPE, (1, 16, 32, 64, 128, 4096)), ((1024, 1024), (16, 64, 4096)), ((16384, 4096), (4096,))):
         for m in ms:
             cfg = _gpu_config(m, n_, k_)
-            const = dict(FP4=True, DOT_FP32=False, DOT_BY_SUM=False, EVEN_K=True, HAS_BIAS=False,
-                         SWAP_AB=cfg["SWAP_AB"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                         GROUP_M=cfg["GROUP_M"], CHUNKED=cfg["CHUNKS"] > 1, SPLIT=cfg["SPLIT"])
-            kind = "split" if cfg["SPLIT"] else ("walk" if cfg["CHUNKS"] > 1 else "one")
-            name = (f"dense_{n_}x{k_}_M{m}_S{cfg['CHUNKS']}{kind}_{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}_"
-                    f"{'swap' if cfg['SWAP_AB'] else 'wide'}_w{cfg['num_warps']}s{cfg['num_stages']}")
-            cases.append((name, gemm_mod._gemm_kernel, const, cfg, ("stride_ags", "stride_bgs"), m))
+            for nseg in ((1, 3) if (n_, k_) == (1024, 1024) else (1,)):  # 3: a layer's q/k/v in one launch
+                const = dict(FP4=True, DOT_FP32=False, DOT_BY_SUM=False, EVEN_K=True, HAS_BIAS=False,
+                             SWAP_AB=cfg["SWAP_AB"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                             GROUP_M=cfg["GROUP_M"], CHUNKED=cfg["CHUNKS"] > 1, SPLIT=cfg["SPLIT"],
+                             DECODED=cfg["DECODED"], NSEG=nseg)
+                kind = "split" if cfg["SPLIT"] else ("walk" if cfg["CHUNKS"] > 1 else "one")
+                name = (f"dense_{n_}x{k_}_M{m}_S{cfg['CHUNKS']}{kind}_{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}_"
+                        f"{'swap' if cfg['SWAP_AB'] else 'wide'}{'_decoded' if cfg['DECODED'] else ''}"
+                        f"{f'_{nseg}weights' if nseg > 1 else ''}_w{cfg['num_warps']}s{cfg['num_stages']}")
+                cases.append((name, gemm_mod._gemm_kernel, const, cfg, (), m))
     cfg = dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=16, num_warps=4, num_stages=1)
-    cases.append(("combine_32x128", gemm_mod._combine_kernel, dict(HAS_BIAS=False, BLOCK_M=32, BLOCK_N=128), cfg,
-                  ("stride_ags", "stride_bgs", "S", "chunk_stride"), 32))
+    for nseg in (1, 3):
+        cases.append((f"combine_32x128_{nseg}weights", gemm_mod._combine_kernel,
+                      dict(HAS_BIAS=False, BLOCK_M=32, BLOCK_N=128, NSEG=nseg), cfg, (), 32))
     for bm in (16, 64):
         cfg = dict(gemm_mod.SWAP_CONFIGS[bm], BLOCK_M=bm, BLOCK_K=gemm_mod.FP4_BLOCK_K, SWAP_AB=True)
         const = dict(EVEN_K=True, SWAP_AB=True, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], E_PAD=128,
                      CHUNKED=gemm_mod.k_chunks(n, k) > 1)
         name = f"grouped_E128_S{gemm_mod.k_chunks(n, k)}_{bm}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}_w{cfg['num_warps']}s{cfg['num_stages']}"
         cases.append((name, gg._grouped_kernel, const, cfg, ("stride_ags", "stride_bgse", "stride_bgsn"), bm))
+    # the row kernels that quantize their output (RMSNorm, SiLU * up) and the quantize kernel, 0.6B/1.7B widths
+    for n_ in (1024, 2048):
+        rows_, block, warps = rows_mod.rms_norm_config(n_)
+        cases.append((f"rms_norm_quantize_N{n_}", rows_mod._rms_norm_fwd_kernel, dict(ROWS=rows_, BLOCK=block, QUANT=True),
+                      dict(BLOCK_M=rows_, BLOCK_N=block, BLOCK_K=16, num_warps=warps, num_stages=1), (), rows_))
+    for n_ in (3072, 6144):
+        cases.append((f"silu_mul_quantize_N{n_}", rows_mod._silu_mul_quantize_kernel, dict(NB=64, EVEN=True),
+                      dict(BLOCK_M=1, BLOCK_N=1024, BLOCK_K=16, num_warps=4, num_stages=1), (), 1))
+    cases.append(("quantize_row_gs", qmod._quantize_kernel, dict(ROW_GS=True, NB=64, EVEN_K=True),
+                  dict(BLOCK_M=1, BLOCK_N=1024, BLOCK_K=16, num_warps=4, num_stages=1), ("stride_gs",), 1))
     rows = []
     for name, kern, const, cfg, ones, m in cases:
         ck = compile_sm90(kern, const, cfg["num_warps"], cfg["num_stages"], ones)
@@ -188,23 +218,13 @@ def _gpu_config(m, n, k):
 
 
 def launch(xq, wq, m, n, k):
+    """One launch of the W4A4 GEMM for (M, N, K) -> (its config, the compiled kernel)."""
     import torch
 
     cfg = dict(gemm_mod.gemm_config(m, n, k, True))
-    chunks, split = cfg.pop("CHUNKS"), cfg.pop("SPLIT")
-    chunk_k = triton.cdiv(triton.cdiv(k, cfg["BLOCK_K"]), chunks) * cfg["BLOCK_K"]
     c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    part = torch.empty(chunks, m, n, dtype=torch.float32, device="cuda") if split else c
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), chunks if split else 1)
-    kern = gemm_mod._gemm_kernel[grid](
-        xq.data, xq.scale.view(torch.uint8), xq.global_scale.reshape(-1), wq.data, wq.scale.view(torch.uint8),
-        wq.global_scale.reshape(-1), c, c, part, m, n, k, chunk_k, xq.data.stride(0), xq.scale.stride(0), 1,
-        wq.data.stride(0), wq.scale.stride(0), 0, c.stride(0),
-        FP4=True, DOT_FP32=False, DOT_BY_SUM=False, HAS_BIAS=False, EVEN_K=k % cfg["BLOCK_K"] == 0,
-        CHUNKED=chunks > 1, SPLIT=split, **cfg,
-    )
-    cfg.update(CHUNKS=chunks, SPLIT=split)
-    return cfg, kern
+    xd = gemm_mod.decode_nvfp4(xq, cfg["BLOCK_K"]) if cfg["DECODED"] else None
+    return cfg, gemm_mod._launch(xq, xd, [(wq, None, c)], cfg, True)
 
 
 def probe_gpu(out: Path, once: bool):

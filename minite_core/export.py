@@ -131,12 +131,12 @@ def calibrate(model, sequences: list[list[int]]) -> dict[str, float]:
     amax: dict[str, float] = defaultdict(float)
     linears = model.linears
 
-    def observe(x, *names):  # every linear's input passes here (experts: the tokens routed to them)
+    def observe(x, *names, xq=None):  # every linear's input passes here (experts: the tokens routed to them)
         if x.numel():
             a = float(x.abs().amax())
             for name in names:
                 amax[name] = max(amax[name], a)
-        return linears(x, *names)
+        return linears(x, *names, xq=xq)
 
     by_len = defaultdict(list)
     for s in sequences:

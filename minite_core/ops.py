@@ -115,11 +115,10 @@ def _check_linear(x, w, bias, name: str = "w"):
         raise ValueError(f"bias of {name} must have shape ({wshape[0]},), got {tuple(bias.shape)}")
 
 
-def _gemms(x2: torch.Tensor, ws: list, biases: list, out_dtype, backend: str, scale_mode: str):
+def _gemms(x2: torch.Tensor, ws: list, biases: list, out_dtype, backend: str, scale_mode: str, xq=None):
     """The forward products of 2-D x with each weight, both backends -> (outs, the quantized x or None for
-    plain weights). NVFP4: x is quantized once for all the weights."""
-    xq = None
-    if isinstance(ws[0], NVFP4Tensor):
+    plain weights). NVFP4: x is quantized once for all the weights (unless the caller gives `xq`)."""
+    if isinstance(ws[0], NVFP4Tensor) and xq is None:
         xq = quantize(x2, scale_mode=scale_mode, backend=backend, check_finite=False)
     if backend == "torch":
         outs = []
@@ -155,14 +154,14 @@ class _Linears(torch.autograd.Function):
     """x @ w_i.T (+ b_i) for n weights of one input: one output per weight."""
 
     @staticmethod
-    def forward(ctx, x, ws, out_dtype, backend, scale_mode, bwd, *params):
+    def forward(ctx, x, ws, xq, out_dtype, backend, scale_mode, bwd, *params):
         # params: per weight, the tensor that receives its gradient (the high-precision master it was
         # quantized or cast from while training, else a plain w itself, or None for an NVFP4 weight
         # without a master), then the n biases.
         n = len(ws)
         w_tensors, biases = params[:n], params[n:]
         x2 = x.reshape(-1, x.shape[-1])
-        outs, xq = _gemms(x2, list(ws), list(biases), out_dtype, backend, scale_mode)
+        outs, xq = _gemms(x2, list(ws), list(biases), out_dtype, backend, scale_mode, xq)
         # the straight-through backward of an NVFP4 linear needs only Q(x); the others need x itself
         keep_x = xq is None or bwd == "nvfp4"
         ctx.save_for_backward(x if keep_x else None, *w_tensors)
@@ -179,17 +178,17 @@ class _Linears(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1]) if x is not None else None
         grad_x, grad_ws, grad_bs = None, [], []
         for i, (w, w_tensor, grad_out) in enumerate(zip(ctx.ws, w_tensors, grad_outs)):
-            need_w = w_tensor is not None and ctx.needs_input_grad[6 + i]
+            need_w = w_tensor is not None and ctx.needs_input_grad[7 + i]
             gx, gw = _linear_grads(ctx, grad_out.reshape(-1, grad_out.shape[-1]), x2, w, w_tensor, need_x, need_w)
             if need_x:
                 gx = gx.reshape(ctx.x_shape).to(ctx.x_dtype)
                 grad_x = gx if grad_x is None else grad_x + gx  # the weights' order: fixed
             grad_ws.append(gw.to(w_tensor.dtype) if need_w else None)
             g2 = grad_out.reshape(-1, grad_out.shape[-1])
-            need_b = ctx.has_bias[i] and ctx.needs_input_grad[6 + n + i]
+            need_b = ctx.has_bias[i] and ctx.needs_input_grad[7 + n + i]
             grad_bs.append((g2.sum(0, dtype=torch.float32) if g2.is_cuda else g2.float().sum(0)) if need_b else None)
         ctx.xq = None
-        return grad_x, None, None, None, None, None, *grad_ws, *grad_bs
+        return grad_x, None, None, None, None, None, None, *grad_ws, *grad_bs
 
 
 def _linear_grads(ctx, g2, x2, w, w_tensor, need_x: bool, need_w: bool):
@@ -243,11 +242,14 @@ def linears(
     check_finite: bool = True,
     masters: list | None = None,
     backward: str = "ste",
+    xq: NVFP4Tensor | None = None,
 ) -> list[torch.Tensor]:
     """[linear(x, w, b, master=m) for w, b, m in zip(ws, biases, masters)], the same bits, in one pass:
     several projections of one input (q/k/v, gate/up) share one activation quantize and, on the triton
     backend, one GEMM launch (`kernels.gemm.gemm_many_triton`). The weights must be all NVFP4 or all plain
-    of one dtype; arguments as `linear`'s."""
+    of one dtype; arguments as `linear`'s. `xq` (NVFP4 weights, scale_mode "row"): x's quantize, made by
+    the op that produced x (`rms_norm` / `silu_mul` with quantize=True, the bits of `quantize(x)`), so
+    that it is not quantized again."""
     backend = resolve_backend(backend)
     ws = list(ws)
     biases = list(biases) if biases is not None else [None] * len(ws)
@@ -269,9 +271,16 @@ def linears(
     for w, master in zip(ws, masters):
         if master is not None and tuple(master.shape) != tuple(w.shape):
             raise ValueError(f"master weight has shape {tuple(master.shape)}, but w is {tuple(w.shape)}")
+    if xq is not None:
+        if "nvfp4" not in kinds or scale_mode != "row":
+            raise ValueError("linears: xq is the per-row NVFP4 activation of NVFP4 weights (scale_mode 'row')")
+        if not isinstance(xq, NVFP4Tensor) or tuple(xq.shape) != tuple(x.shape) or not xq.per_row:
+            raise ValueError(f"linears: xq must be the per-row NVFP4Tensor of x {tuple(x.shape)}")
+        xq = NVFP4Tensor(xq.data.reshape(-1, xq.data.shape[-1]), xq.scale.reshape(-1, xq.scale.shape[-1]),
+                         xq.global_scale.reshape(-1, 1), (x.numel() // x.shape[-1], x.shape[-1]))
     out_dtype = out_dtype or x.dtype
     w_tensors = [m if m is not None or isinstance(w, NVFP4Tensor) else w for w, m in zip(ws, masters)]
-    return list(_Linears.apply(x, tuple(ws), out_dtype, backend, scale_mode, backward, *w_tensors, *biases))
+    return list(_Linears.apply(x, tuple(ws), xq, out_dtype, backend, scale_mode, backward, *w_tensors, *biases))
 
 
 # ------------------------------------------------------------------------------- row-local ops
@@ -280,34 +289,58 @@ def linears(
 # construction; they agree within a rounding of the output dtype, not bit for bit.
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, backend: str | None = None) -> torch.Tensor:
-    """weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), statistics in fp32 (HF's Qwen3RMSNorm)."""
+def _check_quantizable(t: torch.Tensor, op: str) -> None:
+    if t.shape[-1] % nvfp4.BLOCK:
+        raise ValueError(f"{op}(quantize=True): the last dimension ({t.shape[-1]}) must be a multiple of {nvfp4.BLOCK}")
+
+
+def _with_nvfp4(out, shape, quantize: bool):
+    """A row op's Function result -> y, or (y, its NVFP4Tensor) with `quantize`."""
+    if not quantize:
+        return out
+    from .kernels.rows import as_nvfp4
+
+    return out[0], as_nvfp4(out[1:], tuple(shape))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, backend: str | None = None,
+             quantize: bool = False):
+    """weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), statistics in fp32 (HF's Qwen3RMSNorm).
+    `quantize=True` -> (y, quantize(y)): y and its NVFP4 with per-row global scales (the activation of the
+    linears it feeds, `linears(..., xq=)`), on the triton backend from the same kernel."""
     backend = resolve_backend(backend)
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm weight has shape {tuple(weight.shape)}, expected ({x.shape[-1]},)")
+    if quantize:
+        _check_quantizable(x, "rms_norm")
     if backend == "triton":
         from .kernels.rows import RMSNormFunction
 
         _check_triton_device(x, "x")
         if weight.device != x.device:
             raise ValueError(f"x is on {x.device} but the rms_norm weight is on {weight.device}")
-        return RMSNormFunction.apply(x, weight, float(eps))
-    return reference.rms_norm(x, weight, eps)
+        return _with_nvfp4(RMSNormFunction.apply(x, weight, float(eps), quantize), x.shape, quantize)
+    y = reference.rms_norm(x, weight, eps)
+    return (y, nvfp4.quantize(y, check_finite=False)) if quantize else y
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
-    """silu(gate) * up in fp32, rounded once to gate's dtype (SwiGLU)."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None, quantize: bool = False):
+    """silu(gate) * up in fp32, rounded once to gate's dtype (SwiGLU). `quantize=True` -> (h, quantize(h)),
+    as `rms_norm`'s."""
     backend = resolve_backend(backend)
     if gate.shape != up.shape:
         raise ValueError(f"silu_mul operands differ in shape: {tuple(gate.shape)} vs {tuple(up.shape)}")
+    if quantize:
+        _check_quantizable(gate, "silu_mul")
     if backend == "triton":
         from .kernels.rows import SiluMulFunction
 
         _check_triton_device(gate, "gate")
         if up.device != gate.device:
             raise ValueError(f"gate is on {gate.device} but up is on {up.device}")
-        return SiluMulFunction.apply(gate, up)
-    return reference.silu_mul(gate, up)
+        return _with_nvfp4(SiluMulFunction.apply(gate, up, quantize), gate.shape, quantize)
+    h = reference.silu_mul(gate, up)
+    return (h, nvfp4.quantize(h, check_finite=False)) if quantize else h
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:

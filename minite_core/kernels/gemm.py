@@ -500,8 +500,9 @@ def _layout(w) -> tuple:
     return w.dtype, w.stride()
 
 
-def _launch(x, xd, segs: list, cfg: dict, fp4: bool) -> None:
-    """One launch (and one combine, for split K chunks) over up to three (w, bias, out) of one config."""
+def _launch(x, xd, segs: list, cfg: dict, fp4: bool):
+    """One launch (and one combine, for split K chunks) over up to three (w, bias, out) of one config;
+    returns the GEMM kernel's compiled handle (bench/gemm_probe.py reads its registers and SASS)."""
     m, k = x.shape
     cfg = dict(cfg)
     cfg.setdefault("SWAP_AB", False)
@@ -540,7 +541,7 @@ def _launch(x, xd, segs: list, cfg: dict, fp4: bool) -> None:
     flat = [v for a in padded for v in a]
     # split: chunk partials [S, M, n_total] fp32 (torch.empty: no sync, graph-capturable), then the combine kernel
     part = torch.empty(chunks, m, n_total, dtype=torch.float32, device=x.device) if split else segs[0][2]
-    _gemm_kernel[(triton.cdiv(m, cfg["BLOCK_M"]) * grid_n, chunks if split else 1)](
+    kernel = _gemm_kernel[(triton.cdiv(m, cfg["BLOCK_M"]) * grid_n, chunks if split else 1)](
         *a_args, *flat, part, m, k, chunk_k, n_total, t1, t2, grid_n, *strides,
         FP4=fp4, DOT_FP32=not fp4 and x.dtype == torch.float32, DOT_BY_SUM=interpreting() and not fp4,
         EVEN_K=k % bk == 0, HAS_BIAS=has_bias, CHUNKED=chunks > 1, SPLIT=split, DECODED=decoded, NSEG=len(segs), **cfg,
@@ -553,6 +554,7 @@ def _launch(x, xd, segs: list, cfg: dict, fp4: bool) -> None:
             part, a_args[2], m, chunks, m * n_total, n_total, strides[2], *comb, c1, c2,
             HAS_BIAS=has_bias, NSEG=len(segs), BLOCK_M=cbm, BLOCK_N=cbn, num_warps=4,
         )
+    return kernel
 
 
 def _tile_bounds(ns: list, block_n: int) -> tuple[int, int, int]:

@@ -54,6 +54,27 @@ def e2m1_round(v):
 
 
 @triton.jit
+def row_global_scale(amax):
+    """The per-row global scale of a row (or rows) whose max |x| is `amax`: amax / (6 * 448), floored."""
+    return tl.maximum(tl.div_rn(amax, _GS_DIV), _GS_MIN)
+
+
+@triton.jit
+def quantize_blocks(x, gs, inv_gs):
+    """x [NB, 16] fp32 (blocks of 16), gs and inv_gs = 1 / gs [NB] fp32 (each block's global scale) ->
+    (packed E2M1 bytes [NB, 8] uint8, E4M3 block-scale bytes [NB] uint8), `nvfp4.quantize`'s arithmetic:
+    only maxima and elementwise IEEE operations, so the bits cannot depend on the tile they sit in."""
+    bamax = tl.max(tl.abs(x), axis=1)
+    s = tl.div_rn(tl.div_rn(bamax, _E2M1_MAX), gs)
+    s = tl.minimum(tl.maximum(s, _E4M3_MIN), _E4M3_MAX)
+    s_code, s32 = e4m3_round_bits(s)
+    v = x * tl.div_rn(inv_gs, s32)[:, None]
+    v = tl.minimum(tl.maximum(v, -_E2M1_MAX), _E2M1_MAX)
+    even, odd = tl.split(tl.reshape(e2m1_round(v), [x.shape[0], 8, 2]))
+    return even | (odd << 4), s_code
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr, data_ptr, scale_ptr, gs_ptr,
     K, stride_x, stride_data, stride_scale, stride_gs,
@@ -72,29 +93,24 @@ def _quantize_kernel(
             else:
                 x = tl.load(x_row + k0 + offs16, mask=(k0 + offs16) < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-        gs = tl.maximum(tl.div_rn(tl.max(amax, axis=0), _GS_DIV), _GS_MIN)
+        gs = row_global_scale(tl.max(amax, axis=0))
         tl.store(gs_ptr + row * stride_gs, gs)
     else:
         gs = tl.load(gs_ptr + row * stride_gs)
-    inv_gs = tl.div_rn(tl.zeros([NB], dtype=tl.float32) + 1.0, gs + tl.zeros([NB], dtype=tl.float32))
+    gs = gs + tl.zeros([NB], dtype=tl.float32)
+    inv_gs = tl.div_rn(tl.zeros([NB], dtype=tl.float32) + 1.0, gs)
     for k0 in range(0, K, NB * 16):
         if EVEN_K:
             x = tl.load(x_row + k0 + offs16).to(tl.float32)
         else:
             x = tl.load(x_row + k0 + offs16, mask=(k0 + offs16) < K, other=0.0).to(tl.float32)
-        bamax = tl.max(tl.abs(x), axis=1)
-        s = tl.div_rn(tl.div_rn(bamax, _E2M1_MAX), gs + tl.zeros_like(bamax))
-        s = tl.minimum(tl.maximum(s, _E4M3_MIN), _E4M3_MAX)
-        s_code, s32 = e4m3_round_bits(s)
-        v = x * tl.div_rn(inv_gs, s32)[:, None]
-        v = tl.minimum(tl.maximum(v, -_E2M1_MAX), _E2M1_MAX)
-        even, odd = tl.split(tl.reshape(e2m1_round(v), [NB, 8, 2]))
+        packed, s_code = quantize_blocks(x, gs, inv_gs)
         offs8 = blk[:, None] * 8 + tl.arange(0, 8)[None, :]
         if EVEN_K:
-            tl.store(data_ptr + row * stride_data + k0 // 2 + offs8, even | (odd << 4))
+            tl.store(data_ptr + row * stride_data + k0 // 2 + offs8, packed)
             tl.store(scale_ptr + row * stride_scale + k0 // 16 + blk, s_code)
         else:
-            tl.store(data_ptr + row * stride_data + k0 // 2 + offs8, even | (odd << 4), mask=(k0 // 2 + offs8) < K // 2)
+            tl.store(data_ptr + row * stride_data + k0 // 2 + offs8, packed, mask=(k0 // 2 + offs8) < K // 2)
             tl.store(scale_ptr + row * stride_scale + k0 // 16 + blk, s_code, mask=(k0 // 16 + blk) < K // 16)
 
 

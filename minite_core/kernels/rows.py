@@ -44,7 +44,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..nvfp4 import BLOCK as QBLOCK, NVFP4Tensor
 from .gemm import interpreting
+from .quantize import quantize_blocks, row_global_scale
 
 
 @triton.jit
@@ -59,7 +61,8 @@ def round_to(x, dtype: tl.constexpr):
 
 # ------------------------------------------------------------------------------------------- RMSNorm
 @triton.jit
-def _rms_norm_fwd_kernel(X, W, Y, RSTD, R, N, sx, sy, nf, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_fwd_kernel(X, W, Y, RSTD, Q, QS, QGS, R, N, sx, sy, nf, eps,
+                         ROWS: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     row_ok = rows < R
@@ -71,9 +74,43 @@ def _rms_norm_fwd_kernel(X, W, Y, RSTD, R, N, sx, sy, nf, eps, ROWS: tl.constexp
     rstd = tl.math.rsqrt(tl.div_rn(ss, nf + tl.zeros_like(ss)) + eps)
     y = round_to(xf * rstd[:, None], X.dtype.element_ty)
     w = tl.load(W + cols, mask=cols < N, other=0.0)
-    out = y.to(tl.float32) * w.to(tl.float32)[None, :]
-    tl.store(Y + rows64[:, None] * sy + cols[None, :], round_to(out, Y.dtype.element_ty), mask=mask)
+    out = round_to(y.to(tl.float32) * w.to(tl.float32)[None, :], Y.dtype.element_ty)
+    tl.store(Y + rows64[:, None] * sy + cols[None, :], out, mask=mask)
     tl.store(RSTD + rows, rstd, mask=row_ok)
+    if QUANT:
+        quantize_rows(out.to(tl.float32), rows64, row_ok, N, Q, QS, QGS, ROWS, BLOCK)
+
+
+@triton.jit
+def quantize_rows(v, rows64, row_ok, N, Q, QS, QGS, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """NVFP4 of whole rows held in a tile, v [ROWS, BLOCK] fp32 (zeros past N, N a multiple of 16), with per-row
+    global scales: packed bytes to Q [R, N/2], scale bytes to QS [R, N/16], global scales to QGS [R]. Only
+    maxima and elementwise operations (`quantize_blocks`): the bits of `quantize_triton` of the same rows."""
+    gs = row_global_scale(tl.max(tl.abs(v), axis=1))
+    tl.store(QGS + rows64, gs, mask=row_ok)
+    gsb = tl.reshape(tl.broadcast_to(gs[:, None], [ROWS, BLOCK // 16]), [ROWS * (BLOCK // 16)])
+    packed, s_code = quantize_blocks(tl.reshape(v, [ROWS * (BLOCK // 16), 16]), gsb, tl.div_rn(gsb * 0.0 + 1.0, gsb))
+    c8 = tl.arange(0, BLOCK // 2)
+    c16 = tl.arange(0, BLOCK // 16)
+    tl.store(Q + rows64[:, None] * (N // 2) + c8[None, :], tl.reshape(packed, [ROWS, BLOCK // 2]),
+             mask=row_ok[:, None] & (c8 < N // 2)[None, :])
+    tl.store(QS + rows64[:, None] * (N // 16) + c16[None, :], tl.reshape(s_code, [ROWS, BLOCK // 16]),
+             mask=row_ok[:, None] & (c16 < N // 16)[None, :])
+
+
+def _nvfp4_out(r: int, n: int, device):
+    """Empty packed bytes, scale bytes and per-row global scales for r rows of n values."""
+    return (torch.empty(r, n // 2, dtype=torch.uint8, device=device),
+            torch.empty(r, n // QBLOCK, dtype=torch.uint8, device=device),
+            torch.empty(r, dtype=torch.float32, device=device))
+
+
+def as_nvfp4(q: tuple, shape: tuple) -> NVFP4Tensor:
+    """(packed, scale bytes, global scales) of the rows of a tensor of `shape` -> its NVFP4Tensor."""
+    data, scale, gs = q
+    lead, n = tuple(shape[:-1]), shape[-1]
+    return NVFP4Tensor(data.reshape(lead + (n // 2,)), scale.view(torch.float8_e4m3fn).reshape(lead + (n // QBLOCK,)),
+                       gs.reshape(lead + (1,)), tuple(shape))
 
 
 @triton.jit
@@ -116,18 +153,21 @@ def _rows2d(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., N], weight [N] -> (y [..., N] in promote(x, weight) dtype, rstd [rows] fp32)."""
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool = False):
+    """x [..., N], weight [N] -> (y [..., N] in promote(x, weight) dtype, rstd [rows] fp32, and with `quantize`
+    the NVFP4 of y with per-row global scales as (packed, scale bytes, global scales), else None)."""
     x2 = _rows2d(x)
     r, n = x2.shape
     w = weight.contiguous()
     y = torch.empty(r, n, device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
     rstd = torch.empty(r, device=x.device, dtype=torch.float32)
+    q = _nvfp4_out(r, n, x.device) if quantize else None
     if r and n:
         rows, block, warps = rms_norm_config(n)
-        _rms_norm_fwd_kernel[(triton.cdiv(r, rows),)](x2, w, y, rstd, r, n, x2.stride(0), y.stride(0), float(n),
-                                                       float(eps), ROWS=rows, BLOCK=block, num_warps=warps)
-    return y.reshape(*x.shape[:-1], n), rstd
+        _rms_norm_fwd_kernel[(triton.cdiv(r, rows),)](x2, w, y, rstd, *(q or (y, y, y)), r, n, x2.stride(0), y.stride(0),
+                                                       float(n), float(eps), ROWS=rows, BLOCK=block, QUANT=quantize,
+                                                       num_warps=warps)
+    return y.reshape(*x.shape[:-1], n), rstd, q
 
 
 @functools.lru_cache(maxsize=None)
@@ -160,27 +200,81 @@ class RMSNormFunction(torch.autograd.Function):
     """weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype): the Triton forward and backward above."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps):
-        y, rstd = rms_norm_forward(x, weight, eps)
+    def forward(ctx, x, weight, eps, quantize=False):
+        """-> y, or with `quantize` (y, packed, scale bytes, global scales): y's NVFP4 (no gradient)."""
+        y, rstd, q = rms_norm_forward(x, weight, eps, quantize)
         ctx.save_for_backward(x, weight, rstd)
-        return y
+        if q is None:
+            return y
+        ctx.mark_non_differentiable(*q)
+        return (y, *q)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, g, *_):
         x, weight, rstd = ctx.saved_tensors
         dx, dw = rms_norm_backward(g, x, weight, rstd, ctx.needs_input_grad[1])
-        return (dx if ctx.needs_input_grad[0] else None), dw, None
+        return (dx if ctx.needs_input_grad[0] else None), dw, None, None
 
 
 # ------------------------------------------------------------------------------------------ SiLU * up
 @triton.jit
+def silu_mul_value(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up in fp32 from the operands' values, rounded once to `dtype`."""
+    g = gate.to(tl.float32)
+    return round_to(tl.div_rn(g, 1.0 + tl.exp(-g)) * up.to(tl.float32), dtype)
+
+
+@triton.jit
 def _silu_mul_fwd_kernel(GATE, UP, OUT, numel, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
-    g = tl.load(GATE + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(UP + offs, mask=mask, other=0.0).to(tl.float32)
-    out = tl.div_rn(g, 1.0 + tl.exp(-g)) * u
-    tl.store(OUT + offs, round_to(out, OUT.dtype.element_ty), mask=mask)
+    g = tl.load(GATE + offs, mask=mask, other=0.0)
+    u = tl.load(UP + offs, mask=mask, other=0.0)
+    tl.store(OUT + offs, silu_mul_value(g, u, OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul_chunk(GATE, UP, base, offs, N, EVEN: tl.constexpr, dtype: tl.constexpr):
+    """silu_mul_value of the elements at base + offs of a row of N (EVEN: no mask, so the loads vectorize)."""
+    if EVEN:
+        g = tl.load(GATE + base + offs)
+        u = tl.load(UP + base + offs)
+    else:
+        g = tl.load(GATE + base + offs, mask=offs < N, other=0.0)
+        u = tl.load(UP + base + offs, mask=offs < N, other=0.0)
+    return silu_mul_value(g, u, dtype)
+
+
+@triton.jit
+def _silu_mul_quantize_kernel(GATE, UP, OUT, Q, QS, QGS, N, NB: tl.constexpr, EVEN: tl.constexpr):
+    """One row per program (contiguous rows of N, a multiple of 16): out = silu(gate) * up as the elementwise
+    kernel, and out's NVFP4 with a per-row global scale: a first walk over the row's chunks of NB blocks for
+    the row's max |out|, a second that writes out and quantizes it (`quantize_blocks`), computing out again
+    (the same elementwise operations, so the same values) instead of reading it back."""
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.arange(0, NB)
+    offs16 = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
+    offs8 = blk[:, None] * 8 + tl.arange(0, 8)[None, :]
+    dtype: tl.constexpr = OUT.dtype.element_ty
+    amax = tl.zeros([NB], dtype=tl.float32)
+    for k0 in range(0, N, NB * 16):
+        out = _silu_mul_chunk(GATE, UP, row * N, k0 + offs16, N, EVEN, dtype)
+        amax = tl.maximum(amax, tl.max(tl.abs(out.to(tl.float32)), axis=1))
+    gs = row_global_scale(tl.max(amax, axis=0))
+    tl.store(QGS + row, gs)
+    gs = gs + tl.zeros([NB], dtype=tl.float32)
+    inv_gs = tl.div_rn(tl.zeros([NB], dtype=tl.float32) + 1.0, gs)
+    for k0 in range(0, N, NB * 16):
+        out = _silu_mul_chunk(GATE, UP, row * N, k0 + offs16, N, EVEN, dtype)
+        packed, s_code = quantize_blocks(out.to(tl.float32), gs, inv_gs)
+        if EVEN:
+            tl.store(OUT + row * N + k0 + offs16, out)
+            tl.store(Q + row * (N // 2) + k0 // 2 + offs8, packed)
+            tl.store(QS + row * (N // 16) + k0 // 16 + blk, s_code)
+        else:
+            tl.store(OUT + row * N + k0 + offs16, out, mask=(k0 + offs16) < N)
+            tl.store(Q + row * (N // 2) + k0 // 2 + offs8, packed, mask=(k0 // 2 + offs8) < N // 2)
+            tl.store(QS + row * (N // 16) + k0 // 16 + blk, s_code, mask=(k0 // 16 + blk) < N // 16)
 
 
 @triton.jit
@@ -199,24 +293,38 @@ def _elementwise_block() -> int:
     return 256 if interpreting() else 1024
 
 
-def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up in fp32, rounded once to gate's dtype."""
+def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False):
+    """silu(gate) * up in fp32, rounded once to gate's dtype; with `quantize` -> (out, its NVFP4 with per-row
+    global scales as (packed, scale bytes, global scales)), the last dimension a multiple of 16."""
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)
-    if gate.numel():
-        block = _elementwise_block()
-        _silu_mul_fwd_kernel[(triton.cdiv(gate.numel(), block),)](gate, up, out, gate.numel(), BLOCK=block, num_warps=4)
-    return out
+    if not quantize:
+        if gate.numel():
+            block = _elementwise_block()
+            _silu_mul_fwd_kernel[(triton.cdiv(gate.numel(), block),)](gate, up, out, gate.numel(), BLOCK=block, num_warps=4)
+        return out
+    n = gate.shape[-1]
+    r = gate.numel() // n if n else 0
+    q = _nvfp4_out(r, n, gate.device)
+    if r and n:
+        nb = min(16 if interpreting() else 64, triton.next_power_of_2(n // QBLOCK))
+        _silu_mul_quantize_kernel[(r,)](gate, up, out, *q, n, NB=nb, EVEN=n % (nb * QBLOCK) == 0, num_warps=4)
+    return out, q
 
 
 class SiluMulFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up):
+    def forward(ctx, gate, up, quantize=False):
+        """-> out, or with `quantize` (out, packed, scale bytes, global scales): out's NVFP4 (no gradient)."""
         ctx.save_for_backward(gate, up)
-        return silu_mul_forward(gate, up)
+        if not quantize:
+            return silu_mul_forward(gate, up)
+        out, q = silu_mul_forward(gate, up, True)
+        ctx.mark_non_differentiable(*q)
+        return (out, *q)
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(ctx, g, *_):
         gate, up = (t.contiguous() for t in ctx.saved_tensors)
         g = g.contiguous()
         dgate, dup = torch.empty_like(gate), torch.empty_like(up)
@@ -224,7 +332,7 @@ class SiluMulFunction(torch.autograd.Function):
             block = _elementwise_block()
             _silu_mul_bwd_kernel[(triton.cdiv(gate.numel(), block),)](gate, up, g, dgate, dup, gate.numel(),
                                                                        BLOCK=block, num_warps=4)
-        return dgate, dup
+        return dgate, dup, None
 
 
 # ---------------------------------------------------------------------------------------------- RoPE

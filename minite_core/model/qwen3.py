@@ -218,9 +218,10 @@ class Qwen3:
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return self.linears(x, name)[0]
 
-    def linears(self, x: torch.Tensor, *names: str) -> list[torch.Tensor]:
+    def linears(self, x: torch.Tensor, *names: str, xq: NVFP4Tensor | None = None) -> list[torch.Tensor]:
         """The projections `names` of one input (q/k/v, gate/up): one activation quantize and one GEMM
-        launch for all of them (`ops.linears`), the bits of separate `ops.linear` calls."""
+        launch for all of them (`ops.linears`), the bits of separate `ops.linear` calls. `xq`: x's NVFP4,
+        made by the op that produced x (see `quantizes_input`)."""
         ws = [self.param(n + ".weight") for n in names]
         biases = [self.param(n + ".bias") for n in names]
         if self.knobs.matmul == "library":
@@ -228,19 +229,37 @@ class Qwen3:
         masters = [self.masters.get(n + ".weight") if self.masters is not None and isinstance(w, NVFP4Tensor) else None
                    for n, w in zip(names, ws)]
         return ops.linears(x, ws, biases, out_dtype=self.dtype, backend=self.backend, scale_mode=self.knobs.act_scale,
-                           check_finite=False, masters=masters, backward=self.backward)
+                           check_finite=False, masters=masters, backward=self.backward, xq=xq)
+
+    def quantizes_input(self, *names: str) -> bool:
+        """Do the linears `names` quantize their input per row (NVFP4 weights, the aligned knobs)? Then the
+        op that produces the input (RMSNorm, SiLU * up) quantizes it in the same kernel and hands it over:
+        one launch and one pass over the activation less, the same bits."""
+        return (bool(names) and self.knobs.matmul == "invariant" and self.knobs.act_scale == "row"
+                and all(isinstance(self.w.get(n + ".weight"), NVFP4Tensor) for n in names))
 
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return ops.rms_norm(x, self.param(name + ".weight"), self.cfg.rms_norm_eps, backend=self.backend)
+
+    def norm_for(self, x: torch.Tensor, name: str, *consumers: str) -> tuple[torch.Tensor, NVFP4Tensor | None]:
+        """The RMSNorm `name` of x that feeds the linears `consumers` -> (y, y's NVFP4 if they quantize it)."""
+        if self.quantizes_input(*consumers):
+            return ops.rms_norm(x, self.param(name + ".weight"), self.cfg.rms_norm_eps, backend=self.backend,
+                                quantize=True)
+        return self.norm(x, name), None
 
     def rope(self, positions: torch.Tensor):
         freqs = positions.float().unsqueeze(-1) * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
-    def mlp(self, x: torch.Tensor, p: str) -> torch.Tensor:
-        gate, up = self.linears(x, p + "gate_proj", p + "up_proj")
-        return self.linear(ops.silu_mul(gate, up, backend=self.backend), p + "down_proj")
+    def mlp(self, x: torch.Tensor, p: str, xq: NVFP4Tensor | None = None) -> torch.Tensor:
+        gate, up = self.linears(x, p + "gate_proj", p + "up_proj", xq=xq)
+        if self.quantizes_input(p + "down_proj"):
+            h, h_q = ops.silu_mul(gate, up, backend=self.backend, quantize=True)
+        else:
+            h, h_q = ops.silu_mul(gate, up, backend=self.backend), None
+        return self.linears(h, p + "down_proj", xq=h_q)[0]
 
     def moe(self, x: torch.Tensor, p: str) -> torch.Tensor:
         """Top-k routing; each token sums its experts' outputs in ascending expert order (as HF's eager path)."""
@@ -296,8 +315,9 @@ class Qwen3:
             kv_len = positions[:, -1] + 1
         for i in range(cfg.num_hidden_layers):
             p, n = f"model.layers.{i}.", f"layers.{i}."
-            h = emit(n + "input_norm", self.norm(x, p + "input_layernorm"))
-            q, k, v = self.linears(h, *(p + f"self_attn.{z}_proj" for z in "qkv"))
+            qkv = [p + f"self_attn.{z}_proj" for z in "qkv"]
+            h, h_q = self.norm_for(x, p + "input_layernorm", *qkv)  # h_q: h's NVFP4, or None
+            q, k, v = self.linears(emit(n + "input_norm", h), *qkv, xq=h_q)
             q, k, v = emit(n + "q_proj", q), emit(n + "k_proj", k), emit(n + "v_proj", v)
             q = emit(n + "q_norm", self.norm(q.view(b, t, hq, d), p + "self_attn.q_norm").flatten(2))
             k = emit(n + "k_norm", self.norm(k.view(b, t, hkv, d), p + "self_attn.k_norm").flatten(2))
@@ -322,8 +342,12 @@ class Qwen3:
                 a = ops.attention(q, k, v, positions, kv_len, backend=self.backend)
             a = emit(n + "attention", a.to(self.dtype).transpose(1, 2).reshape(b, t, hq * d))
             x = x + emit(n + "o_proj", self.linear(a, p + "self_attn.o_proj"))
-            h = emit(n + "post_norm", self.norm(x, p + "post_attention_layernorm"))
-            x = x + emit(n + "mlp", self.moe(h, p + "mlp.") if cfg.is_moe_layer(i) else self.mlp(h, p + "mlp."))
+            if cfg.is_moe_layer(i):
+                h = emit(n + "post_norm", self.norm(x, p + "post_attention_layernorm"))
+                x = x + emit(n + "mlp", self.moe(h, p + "mlp."))
+            else:
+                h, h_q = self.norm_for(x, p + "post_attention_layernorm", p + "mlp.gate_proj", p + "mlp.up_proj")
+                x = x + emit(n + "mlp", self.mlp(emit(n + "post_norm", h), p + "mlp.", xq=h_q))
         if logits_at is not None:
             x = x[torch.arange(b, device=x.device), logits_at].unsqueeze(1)
         x = emit("final_norm", self.norm(x, "model.norm"))

@@ -88,6 +88,47 @@ def test_silu_mul_gradient_close_to_fp32_autograd(device):
         assert torch.allclose(a, r, rtol=1e-5, atol=1e-5), (a - r).abs().max()
 
 
+# ------------------------------------------------------------------- the row ops that also quantize
+def _same_nvfp4(a, b):
+    return (torch.equal(a.data, b.data) and torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8))
+            and torch.equal(a.global_scale, b.global_scale) and a.shape == b.shape)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("n", [64, 208])  # (interpreter: 64 is whole quantize chunks, 208 is not)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_ops_that_quantize_their_output(device, backend, n, dtype):
+    """rms_norm / silu_mul with quantize=True: the op's own output (bits), and quantize() of it (bits), from
+    one kernel on the triton backend; batch-invariant; rows past the program's tile and odd row counts."""
+    x = _rand(2, 7, n, seed=20, device=device, dtype=dtype) * torch.logspace(-3, 1, 7, device=device).view(1, 7, 1).to(dtype)
+    w = _rand(n, seed=21, device=device, dtype=dtype, shift=1.0)
+    up = _rand(2, 7, n, seed=22, device=device, dtype=dtype)
+    for op, args in ((lambda *a, **k: ops.rms_norm(*a, 1e-6, **k), (x, w)), (ops.silu_mul, (x, up))):
+        y, yq = op(*args, backend=backend, quantize=True)
+        assert torch.equal(y, op(*args, backend=backend))
+        assert _same_nvfp4(yq, ops.quantize(y, backend=backend)) and yq.shape == x.shape
+        flat = [a.reshape(-1, n) if a.dim() == 3 else a for a in args]
+        full = op(*flat, backend=backend, quantize=True)[1]
+        for lo, hi in ((0, 1), (3, 4), (5, 14)):
+            part = op(flat[0][lo:hi], *(a[lo:hi] if a.dim() == 2 else a for a in flat[1:]), backend=backend, quantize=True)[1]
+            assert torch.equal(part.data, full.data[lo:hi]) and torch.equal(part.global_scale, full.global_scale[lo:hi])
+
+
+def test_row_ops_that_quantize_pass_the_gradient_of_their_output(device):
+    x = _rand(6, 64, seed=23, device=device).requires_grad_(True)
+    w = _rand(64, seed=24, device=device, shift=1.0).requires_grad_(True)
+    up = _rand(6, 64, seed=25, device=device).requires_grad_(True)
+    g = _rand(6, 64, seed=26, device=device)
+    for op, args in ((lambda *a, **k: ops.rms_norm(*a, 1e-6, **k), (x, w)), (ops.silu_mul, (x, up))):
+        fused = torch.autograd.grad(op(*args, backend="triton", quantize=True)[0], args, g)
+        plain = torch.autograd.grad(op(*args, backend="triton"), args, g)
+        assert all(torch.equal(a, b) for a, b in zip(fused, plain))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ops.rms_norm(x[:, :40], w[:40], backend="triton", quantize=True)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ops.silu_mul(x[:, :40], up[:, :40], backend="torch", quantize=True)
+
+
 # ---------------------------------------------------------------------------------------------- RoPE
 def _cos_sin(positions, d, dtype):
     inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32, device=positions.device) / d))
