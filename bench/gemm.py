@@ -12,7 +12,8 @@ For each shape (N, K) and M it times, with triton.testing.do_bench_cudagraph (me
   minite-gemm-walk  M <= 128, S > 1: the same bits with the chunks walked in one program (SPLIT_K = False)
   minite-gemm-packed M > 128: the same bits from the packed operands decoded in every tile (DECODE_WIDE = False;
                 the default decodes both operands once, `decode-both`, and runs the tile on fp16)
-and the activation-quantize kernel's bandwidth against a plain device copy. It also checks, on the GPU,
+and the activation-quantize kernel's bandwidth against a plain device copy, and (`decode_layer`) a Qwen3
+layer's seven linears at decode batch sizes as the model runs them. It also checks, on the GPU,
 that the swapped narrow tiles (M <= 128: BLOCK_M 16/32/64/128) give the same bits as the wide ones (the
 condition for SMALL_M_TILES), and that the W4A4 output is invariant: row i of an M-row product == the
 1-row product.
@@ -252,6 +253,60 @@ def decoded_sweep():
     gemm_mod.DECODED_TILE = default
 
 
+# Qwen3 layer shapes: hidden, q width (heads x head_dim), k/v width, MLP width
+LAYERS = {"0.6b": (1024, 2048, 1024, 3072), "1.7b": (2048, 2048, 1024, 6144)}
+
+
+def decode_layer(ms=(16, 64)) -> list[dict]:
+    """A layer's linears as a decode step runs them (M = batch rows), CUDA-graph medians:
+      cublas-bf16   the seven bf16 matmuls (torch.matmul), after a torch RMSNorm
+      minite-bf16   the model's ops on bf16 weights (triton backend): q/k/v and gate/up in one launch each
+      nvfp4-before  NVFP4, each linear alone: seven activation quantizes, seven GEMM launches
+      nvfp4-now     NVFP4 as the model runs it: RMSNorm and SiLU*up quantize their output in the same kernel,
+                    q/k/v and gate/up in one GEMM launch each
+    The attention output (the o_proj input) is a random activation; attention itself is not timed."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, device="cuda", generator=g, dtype=torch.bfloat16)  # noqa: E731
+    rows = []
+    for name, (h, nq, nkv, inter) in LAYERS.items():
+        shapes = {"q": (nq, h), "k": (nkv, h), "v": (nkv, h), "o": (h, nq), "gate": (inter, h), "up": (inter, h),
+                  "down": (h, inter)}
+        wb = {k: rnd(*s) * 0.02 for k, s in shapes.items()}
+        wq = {k: nvfp4.quantize(w.float(), scale_mode="tensor") for k, w in wb.items()}
+        norm_w = rnd(h) * 0.1 + 1
+        for m in ms:
+            x, a = rnd(m, h), rnd(m, nq)
+            kw = dict(backend="triton", check_finite=False)
+
+            def cublas():
+                hn = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16) * norm_w
+                [hn @ wb[k].T for k in "qkv"]
+                a @ wb["o"].T
+                gt, up = hn @ wb["gate"].T, hn @ wb["up"].T
+                (torch.nn.functional.silu(gt) * up) @ wb["down"].T
+
+            def minite(w, fused: bool):
+                if fused:
+                    hn, hq = ops.rms_norm(x, norm_w, backend="triton", quantize=True) if w is wq else (ops.rms_norm(x, norm_w, backend="triton"), None)
+                    ops.linears(hn, [w[k] for k in "qkv"], xq=hq, **kw)
+                    ops.linear(a, w["o"], **kw)
+                    gt, up = ops.linears(hn, [w["gate"], w["up"]], xq=hq, **kw)
+                    hs, hsq = ops.silu_mul(gt, up, backend="triton", quantize=True) if w is wq else (ops.silu_mul(gt, up, backend="triton"), None)
+                    ops.linears(hs, [w["down"]], xq=hsq, **kw)
+                else:
+                    hn = ops.rms_norm(x, norm_w, backend="triton")
+                    [ops.linear(hn, w[k], **kw) for k in "qkv"]
+                    ops.linear(a, w["o"], **kw)
+                    gt, up = ops.linear(hn, w["gate"], **kw), ops.linear(hn, w["up"], **kw)
+                    ops.linear(ops.silu_mul(gt, up, backend="triton"), w["down"], **kw)
+
+            r = {"model": name, "M": m, "cublas-bf16": bench(cublas), "minite-bf16": bench(lambda: minite(wb, True)),
+                 "nvfp4-before": bench(lambda: minite(wq, False)), "nvfp4-now": bench(lambda: minite(wq, True))}
+            rows.append(r)
+            print("# decode layer", json.dumps(r), flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -270,6 +325,7 @@ def main():
     def us(v):
         return f"{v * 1e6:9.1f}" if v else "      n/a"
 
+    layer = [] if args.grouped_only else decode_layer()
     grouped = run_grouped(args.quick)
     if args.grouped_only:
         checks, qbw, rows = {}, None, []
@@ -279,7 +335,8 @@ def main():
         qbw = quantize_bandwidth()
         rows = run(args.quick)
     if args.json:
-        Path(args.json).write_text(json.dumps({"checks": checks, "quantize": qbw, "gemm": rows, "grouped": grouped}, indent=1))
+        Path(args.json).write_text(json.dumps({"checks": checks, "quantize": qbw, "gemm": rows, "grouped": grouped,
+                                               "decode_layer": layer}, indent=1))
 
     print("\n  E    N     K top    T  rows hit | cuBLAS bf16 loop | W4A4 dense loop | W4A4 grouped | grouped vs cuBLAS loop | weights TB/s | bits == dense")
     for r in grouped:
@@ -297,6 +354,10 @@ def main():
               f" {us(r.get('minite-gemm-packed'))}   |"
               f" {r['cublas-bf16'] / r['minite-w4a4']:6.2f}x      | {flop / r['minite-w4a4'] / 1e12:7.1f} ({flop / r['cublas-bf16'] / 1e12:6.1f})")
     print(f"\nquantize 8192x4096 bf16: {qbw['quantize_GBps']:.0f} GB/s vs copy {qbw['copy_GBps']:.0f} GB/s = {qbw['ratio']:.2f}")
+    print("\nmodel    M | cuBLAS bf16 | minite bf16 | nvfp4 before | nvfp4 now | now vs before | now vs minite bf16 (a layer's linears)")
+    for r in layer:
+        print(f"decode {r['model']:4s} {r['M']:3d} | {us(r['cublas-bf16'])}us | {us(r['minite-bf16'])}us | {us(r['nvfp4-before'])}us  |"
+              f" {us(r['nvfp4-now'])}us | {r['nvfp4-before'] / r['nvfp4-now']:6.2f}x       | {r['minite-bf16'] / r['nvfp4-now']:6.2f}x")
 
 
 if __name__ == "__main__":
