@@ -395,11 +395,14 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor, *,
-              scale: float | None = None, backend: str | None = None, kv_rows: torch.Tensor | None = None) -> torch.Tensor:
+              scale: float | None = None, backend: str | None = None, kv_rows: torch.Tensor | None = None,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Causal GQA attention, q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] -> fp32; see `reference.attention`
     (torch backend) and `kernels.attention` (triton backend). Either way prefill == decode, bit for bit.
     `kv_rows` [B] (inference): k/v are a whole slot cache [S, Hkv, Tk, D], sequence b attends over row
-    kv_rows[b]; the same result as passing k[kv_rows], v[kv_rows], without copying the cache rows."""
+    kv_rows[b]; the same result as passing k[kv_rows], v[kv_rows], without copying the cache rows.
+    `out_dtype`: the fp32 result rounded to that dtype (the triton backend rounds in the kernel and lays
+    the output out as [B, Tq, Hq, D], returning its [B, Hq, Tq, D] view)."""
     backend = resolve_backend(backend)
     rows_ok = q.shape[0] == k.shape[0] if kv_rows is None else tuple(kv_rows.shape) == (q.shape[0],)
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or not rows_ok or q.shape[3] != k.shape[3]:
@@ -415,8 +418,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
         if kv_rows is not None:
             if torch.is_grad_enabled() and q.requires_grad:
                 raise ValueError("attention over cache rows (kv_rows) is for inference: it has no backward")
-            return attention_forward(q, k, v, q_pos, kv_len, scale, kv_rows=kv_rows)
-        return AttentionFunction.apply(q, k, v, q_pos, kv_len, scale)
+            return attention_forward(q, k, v, q_pos, kv_len, scale, kv_rows=kv_rows, out_dtype=out_dtype)
+        return AttentionFunction.apply(q, k, v, q_pos, kv_len, scale, out_dtype)
     if kv_rows is not None:
         k, v = k[kv_rows], v[kv_rows]
-    return reference.attention(q, k, v, q_pos, kv_len, scale)
+    out = reference.attention(q, k, v, q_pos, kv_len, scale)
+    return out if out_dtype is None else out.to(out_dtype)

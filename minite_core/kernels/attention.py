@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 
 from .gemm import interpreting
+from .rows import round_to
 
 NUM_WARPS = 8  # the same for every launch of _attention_kernel (it fixes the tile's register layout); at 4 the
 # two [BLOCK_M, D] fp32 accumulators spill on sm_90 (ptxas: 255 registers + 336 bytes of stack), at 8 they fit
@@ -162,7 +163,7 @@ def _attention_kernel(
             l_c = tl.zeros([BLOCK_M], tl.float32)
             acc_c = tl.zeros([BLOCK_M, D], tl.float32)
     if NSPLIT == 1:
-        out = _finish(l_i, acc)
+        out = round_to(_finish(l_i, acc), O.dtype.element_ty)
         tl.store(O + b * sob + grp * sog + g[:, None] * sor + d[None, :], out, mask=row_ok[:, None])
     else:  # this program's chunk partial, exact in fp32; _combine_kernel folds the chunks in order
         r = (bg * NSPLIT + split) * ROWS + g
@@ -191,7 +192,7 @@ def _combine_kernel(
         l_c = tl.load(LS + r, mask=row_ok, other=0.0)
         acc_c = tl.load(ACCS + r[:, None] * D + d[None, :], mask=(row_ok & (m_c > float("-inf")))[:, None], other=0.0)
         m_i, l_i, acc = _combine(m_i, l_i, acc, m_c, l_c, acc_c)
-    out = _finish(l_i, acc)
+    out = round_to(_finish(l_i, acc), O.dtype.element_ty)
     tl.store(O + b * sob + grp * sog + g[:, None] * sor + d[None, :], out, mask=row_ok[:, None])
 
 
@@ -203,8 +204,13 @@ def attention_config() -> tuple[int, int, int]:
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor,
-                      scale: float, *, split: bool | None = None, kv_rows: torch.Tensor | None = None) -> torch.Tensor:
+                      scale: float, *, split: bool | None = None, kv_rows: torch.Tensor | None = None,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] (a cache may be longer than kv_len), q_pos [B, Tq], kv_len [B] -> fp32 [B, Hq, Tq, D].
+
+    `out_dtype`: the output rounded once (to nearest even) to that dtype in the kernel, laid out as
+    [B, Tq, Hq, D] and returned as its [B, Hq, Tq, D] view, so that the model's [B, Tq, Hq * D] is a view
+    (no cast, no transposed copy).
 
     `kv_rows` [B]: k/v are a whole slot cache [S, Hkv, Tk, D] and sequence b reads its row kv_rows[b]
     (no gather of the cache rows; the values, and so the bits, are those of k[kv_rows]).
@@ -223,7 +229,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     q_pos = q_pos.to(torch.int32).contiguous()
     kv_len = kv_len.to(torch.int32).contiguous()
-    out = torch.empty(b, hq, tq, d, device=q.device, dtype=torch.float32)
+    if out_dtype is None:
+        out = torch.empty(b, hq, tq, d, device=q.device, dtype=torch.float32)
+    else:
+        out = torch.empty(b, tq, hq, d, device=q.device, dtype=out_dtype).transpose(1, 2)
     if out.numel() == 0:
         return out
     bm, bn, sn = attention_config()
@@ -268,10 +277,10 @@ class AttentionFunction(torch.autograd.Function):
     """Forward: the Triton kernel. Backward: the gradient of the same attention through torch SDPA."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, kv_len, scale):
+    def forward(ctx, q, k, v, q_pos, kv_len, scale, out_dtype=None):
         ctx.save_for_backward(q, k, v, q_pos, kv_len)
         ctx.scale = scale
-        return attention_forward(q, k, v, q_pos, kv_len, scale)
+        return attention_forward(q, k, v, q_pos, kv_len, scale, out_dtype=out_dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -281,5 +290,5 @@ class AttentionFunction(torch.autograd.Function):
         with torch.enable_grad():
             qd, kd, vd = (t.detach().requires_grad_(True) for t in (q, k, v))
             out = sdpa_attention(qd, kd, vd, q_pos, kv_len, scale=ctx.scale)
-            gq, gk, gv = torch.autograd.grad(out, (qd, kd, vd), grad_out)
-        return gq, gk, gv, None, None, None
+            gq, gk, gv = torch.autograd.grad(out, (qd, kd, vd), grad_out.to(out.dtype))
+        return gq, gk, gv, None, None, None, None

@@ -337,9 +337,10 @@ class Qwen3:
                     k, v = cache.k[i][slots], cache.v[i][slots]
                 a = sdpa_attention(q, k, v, positions, kv_len)
             elif cache is not None:  # attend over each sequence's cache row in place (no gather)
-                a = ops.attention(q, cache.k[i], cache.v[i], positions, kv_len, backend=self.backend, kv_rows=slots)
+                a = ops.attention(q, cache.k[i], cache.v[i], positions, kv_len, backend=self.backend, kv_rows=slots,
+                                  out_dtype=self.dtype)
             else:
-                a = ops.attention(q, k, v, positions, kv_len, backend=self.backend)
+                a = ops.attention(q, k, v, positions, kv_len, backend=self.backend, out_dtype=self.dtype)
             a = emit(n + "attention", a.to(self.dtype).transpose(1, 2).reshape(b, t, hq * d))
             x = x + emit(n + "o_proj", self.linear(a, p + "self_attn.o_proj"))
             if cfg.is_moe_layer(i):

@@ -184,6 +184,31 @@ def test_gpu_one_binary_and_model_shape():
 
 
 @pytest.mark.interpreter
+def test_output_rounded_in_the_kernel_to_the_model_dtype(device):
+    """out_dtype: the fp32 output rounded to nearest even in the kernel (both launches), laid out [B, Tq, H, D]
+    (so the model's [B, Tq, H * D] is a view); the gradient flows as through the fp32 output."""
+    from minite_core.kernels.attention import attention_forward
+
+    _, _, sn = _cfg()
+    b, hq, hkv, d, t = 2, 4, 2, 16, 2 * sn + 3
+    q, k, v = _qkv(b, hq, hkv, t, d, device, seed=40)
+    pos = torch.arange(t, device=device).expand(b, t).contiguous()
+    lens = torch.tensor([t, sn + 2], device=device)
+    for split in (False, True):
+        ref = _fwd(q, k, v, pos, lens, split=split)
+        got = attention_forward(q, k, v, pos, lens, d ** -0.5, split=split, out_dtype=torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and got.transpose(1, 2).is_contiguous()
+        assert torch.equal(got, ref.to(torch.bfloat16))
+    qf, kf, vf = (z.float().requires_grad_(True) for z in (q, k, v))
+    g = _rand(b, hq, t, d, seed=44, device=device)
+    grads = [torch.autograd.grad(ops.attention(qf, kf, vf, pos, lens, backend="triton", out_dtype=dt), (qf, kf, vf),
+                                 g.to(dt or torch.float32)) for dt in (None, torch.bfloat16)]
+    assert all(torch.allclose(a, r, rtol=1e-2, atol=1e-2) for a, r in zip(*grads))
+    assert torch.equal(ops.attention(q, k, v, pos, lens, backend="torch", out_dtype=torch.bfloat16),
+                       ops.attention(q, k, v, pos, lens, backend="torch").to(torch.bfloat16))
+
+
+@pytest.mark.interpreter
 def test_gradient_close_to_fp32_autograd(device):
     b, hq, hkv, t, d = 1, 2, 1, 11, 16
     q, k, v = (_rand(b, h, t, d, seed=s, device=device, dtype=torch.float32).requires_grad_(True)
