@@ -47,19 +47,23 @@ _PTRS = dict(a_ptr="*u8", as_ptr="*u8", ags_ptr="*fp32", b_ptr="*u8", bs_ptr="*u
              # the row kernels (bf16 activations, NVFP4 outputs)
              X="*bf16", W="*bf16", Y="*bf16", RSTD="*fp32", Q="*u8", QS="*u8", QGS="*fp32", GATE="*bf16", UP="*bf16",
              OUT="*bf16", x_ptr="*bf16", data_ptr="*u8", scale_ptr="*u8", gs_ptr="*fp32")
+# the q/k norm + RoPE kernel's pointers (its K and S are tensors, the GEMM's are sizes)
+_QK_PTRS = dict(Q="*bf16", K="*bf16", V="*bf16", WQ="*bf16", WK="*bf16", C="*bf16", S="*bf16", QO="*bf16", KO="*bf16",
+                VO="*bf16", QN="*bf16", KN="*bf16", RQ="*fp32", RK="*fp32", SLOT="*i32", POS="*i64")
 for _i in range(3):  # the GEMM's weights of one launch (segments)
     _PTRS.update({f"b{_i}": "*u8", f"bs{_i}": "*u8", f"bgs{_i}": "*fp32", f"bias{_i}": "*bf16", f"c{_i}": "*bf16"})
 _FLOATS = ("nf", "eps")
 # int args that are not multiples of 16 (row counts, tile boundaries, strides that are 0 or 1)
-_NOT_DIV16 = ("M", "E", "R", "t1", "t2", "grid_n", "sg0", "sg1", "sg2", "stride_ags", "stride_bgs", "S", "chunk_stride")
+_NOT_DIV16 = ("M", "E", "R", "t1", "t2", "grid_n", "sg0", "sg1", "sg2", "stride_ags", "stride_bgs", "S", "chunk_stride",
+              "T", "HQ", "HKV", "scb", "ssb")
 
 
-def _source(kernel, constexprs: dict, scalars_one: tuple):
-    """ASTSource for `kernel` with pointer args aligned to 16 and the int args divisible by 16, except
-    those in `scalars_one` (strides that are 0 or 1). DECODED GEMMs read fp16 operands."""
+def _source(kernel, constexprs: dict, scalars_one: tuple, ptrs: dict | None = None):
+    """ASTSource for `kernel` with pointer args (`ptrs`, default _PTRS) aligned to 16 and the int args
+    divisible by 16, except those in `scalars_one` (strides that are 0 or 1). DECODED GEMMs read fp16 operands."""
     from triton.compiler import ASTSource
 
-    ptrs = dict(_PTRS)
+    ptrs = dict(ptrs or _PTRS)
     if constexprs.get("DECODED"):
         ptrs.update({a: "*fp16" for a in ("a_ptr", "as_ptr", "b0", "bs0", "b1", "bs1", "b2", "bs2")})
 
@@ -80,10 +84,10 @@ def _source(kernel, constexprs: dict, scalars_one: tuple):
     return ASTSource(kernel, sig, constexprs, attrs)
 
 
-def compile_sm90(kernel, constexprs: dict, num_warps: int, num_stages: int, scalars_one=()):
+def compile_sm90(kernel, constexprs: dict, num_warps: int, num_stages: int, scalars_one=(), ptrs=None):
     from triton.backends.compiler import GPUTarget
 
-    src = _source(kernel, constexprs, scalars_one)
+    src = _source(kernel, constexprs, scalars_one, ptrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
@@ -174,11 +178,15 @@ def probe_sm90(out: Path) -> list[dict]:
     for n_ in (3072, 6144):
         cases.append((f"silu_mul_quantize_N{n_}", rows_mod._silu_mul_quantize_kernel, dict(NB=64, EVEN=True),
                       dict(BLOCK_M=1, BLOCK_N=1024, BLOCK_K=16, num_warps=4, num_stages=1), (), 1))
+    for to_cache in (False, True):  # Qwen3-0.6B heads: 16 q, 8 k/v, head_dim 128
+        cases.append((f"qk_norm_rope_{'cache' if to_cache else 'buffers'}", rows_mod._qk_norm_rope_kernel,
+                      dict(BLOCK_H=16, D=128, TO_CACHE=to_cache, NORM_OUT=False),
+                      dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=16, num_warps=4, num_stages=1), (), 1, _QK_PTRS))
     cases.append(("quantize_row_gs", qmod._quantize_kernel, dict(ROW_GS=True, NB=64, EVEN_K=True),
                   dict(BLOCK_M=1, BLOCK_N=1024, BLOCK_K=16, num_warps=4, num_stages=1), ("stride_gs",), 1))
     rows = []
-    for name, kern, const, cfg, ones, m in cases:
-        ck = compile_sm90(kern, const, cfg["num_warps"], cfg["num_stages"], ones)
+    for name, kern, const, cfg, ones, m, *ptrs in cases:
+        ck = compile_sm90(kern, const, cfg["num_warps"], cfg["num_stages"], ones, *ptrs)
         ttgir, ptx = ck.asm["ttgir"], ck.asm["ptx"]
         sass = sass_of(ck.asm["cubin"])
         (out / f"{name}.ttgir").write_text(ttgir)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -361,6 +362,56 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backend: str 
         _check_triton_device(x, "x")
         return RopeFunction.apply(x, cos, sin)
     return reference.rope(x, cos, sin)
+
+
+class QKHeads(NamedTuple):
+    """`qk_norm_rope`'s result: the attention's q, k, v [B, H, T, D] (k, v None when written to the cache),
+    and the normalized q, k [B, T, H, D] before RoPE (with norm_out, else None)."""
+    q: torch.Tensor
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 eps: float, cos: torch.Tensor, sin: torch.Tensor, *, backend: str | None = None,
+                 cache: tuple | None = None, norm_out: bool = False) -> QKHeads:
+    """Qwen3's attention inputs from the projections q [B, T, Hq, D], k and v [B, T, Hkv, D]: RMSNorm over each
+    head of q and k (`rms_norm` with the q_norm / k_norm weights), then NeoX RoPE (`rope`, cos/sin
+    [B or 1, 1, T, D]); q, k and v returned as [B, H, T, D] views. `cache` = (k_cache, v_cache [slots, Hkv,
+    capacity, D], slots [B], positions [B, T]): the rotated k and v are written into each sequence's cache
+    row at its positions (inference) and returned as None. The triton backend does all of it in one
+    kernel: the norm and rope kernels' arithmetic (`kernels.rows`)."""
+    backend = resolve_backend(backend)
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"qk_norm_rope shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    d = q.shape[-1]
+    if q_weight.shape != (d,) or k_weight.shape != (d,):
+        raise ValueError(f"q/k norm weights must have shape ({d},), got {tuple(q_weight.shape)}, {tuple(k_weight.shape)}")
+    if cache is not None and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        raise ValueError("qk_norm_rope into a KV cache is for inference: it has no backward")
+    if backend == "triton":
+        from .kernels import rows
+
+        _check_triton_device(q, "q")
+        if d & (d - 1) or d < 16:
+            raise ValueError(f"the Triton qk_norm_rope needs a power-of-two head_dim >= 16, got {d}")
+        if cache is not None:
+            qo, _, qn, kn, _, _ = rows.qk_norm_rope_forward(q, k, v, q_weight, k_weight, eps, cos, sin, cache, norm_out)
+            return QKHeads(qo, None, None, qn, kn)
+        out = rows.QKNormRopeFunction.apply(q, k, q_weight, k_weight, float(eps), cos, sin, norm_out)
+        return QKHeads(out[0], out[1], v.transpose(1, 2), *(out[2:] if norm_out else (None, None)))
+    qn, kn = reference.rms_norm(q, q_weight, eps), reference.rms_norm(k, k_weight, eps)
+    qr, kr = reference.rope(qn.transpose(1, 2), cos, sin), reference.rope(kn.transpose(1, 2), cos, sin)
+    vt = v.transpose(1, 2)
+    if cache is not None:
+        k_cache, v_cache, slots, positions = cache
+        rows_ = slots.view(-1, 1).expand(positions.shape)
+        k_cache[rows_, :, positions] = kr.transpose(1, 2)
+        v_cache[rows_, :, positions] = v
+        kr = vt = None
+    return QKHeads(qr, kr, vt, qn if norm_out else None, kn if norm_out else None)
 
 
 def log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, backend: str | None = None) -> torch.Tensor:

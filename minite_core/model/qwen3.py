@@ -319,17 +319,21 @@ class Qwen3:
             h, h_q = self.norm_for(x, p + "input_layernorm", *qkv)  # h_q: h's NVFP4, or None
             q, k, v = self.linears(emit(n + "input_norm", h), *qkv, xq=h_q)
             q, k, v = emit(n + "q_proj", q), emit(n + "k_proj", k), emit(n + "v_proj", v)
-            q = emit(n + "q_norm", self.norm(q.view(b, t, hq, d), p + "self_attn.q_norm").flatten(2))
-            k = emit(n + "k_norm", self.norm(k.view(b, t, hkv, d), p + "self_attn.k_norm").flatten(2))
-            q, k, v = (z.view(b, t, -1, d).transpose(1, 2) for z in (q, k, v))
-            q = ops.rope(q, cos, sin, backend=self.backend)
-            k = ops.rope(k, cos, sin, backend=self.backend)
+            # q/k RMSNorm per head, RoPE, and (decode) the new keys/values written into the cache: one op
+            into_cache = cache is not None and self.cache_dtype == self.dtype
+            heads = ops.qk_norm_rope(q.view(b, t, hq, d), k.view(b, t, hkv, d), v.view(b, t, hkv, d),
+                                     self.param(p + "self_attn.q_norm.weight"), self.param(p + "self_attn.k_norm.weight"),
+                                     cfg.rms_norm_eps, cos, sin, backend=self.backend, norm_out=capture is not None,
+                                     cache=(cache.k[i], cache.v[i], slots, positions) if into_cache else None)
+            q, k, v = heads.q, heads.k, heads.v
+            rows = slots.view(-1, 1).expand(b, t) if cache is not None else None
             if capture is not None:
-                emit(n + "rope", torch.cat([q, k], 1).transpose(1, 2).flatten(2))
-            if cache is not None:
-                if self.cache_dtype != self.dtype:  # knob: the cache holds values rounded to another dtype
-                    k, v = k.to(self.cache_dtype).to(self.dtype), v.to(self.cache_dtype).to(self.dtype)
-                rows = slots.view(-1, 1).expand(b, t)  # write the new keys/values in place, then attend
+                emit(n + "q_norm", heads.q_norm.flatten(2))
+                emit(n + "k_norm", heads.k_norm.flatten(2))
+                k_rot = k.transpose(1, 2) if k is not None else cache.k[i][rows, :, positions]
+                emit(n + "rope", torch.cat([q.transpose(1, 2), k_rot], 2).flatten(2))
+            if cache is not None and not into_cache:  # knob: the cache holds values rounded to another dtype
+                k, v = k.to(self.cache_dtype).to(self.dtype), v.to(self.cache_dtype).to(self.dtype)
                 cache.k[i][rows, :, positions] = k.transpose(1, 2)
                 cache.v[i][rows, :, positions] = v.transpose(1, 2)
             if self.knobs.attention == "sdpa":
