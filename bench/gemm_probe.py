@@ -46,7 +46,7 @@ _PTRS = dict(a_ptr="*u8", as_ptr="*u8", ags_ptr="*fp32", b_ptr="*u8", bs_ptr="*u
              bias_ptr="*bf16", c_ptr="*bf16", off_ptr="*i32", p_ptr="*fp32",
              # the row kernels (bf16 activations, NVFP4 outputs)
              X="*bf16", W="*bf16", Y="*bf16", RSTD="*fp32", Q="*u8", QS="*u8", QGS="*fp32", GATE="*bf16", UP="*bf16",
-             OUT="*bf16", x_ptr="*bf16", data_ptr="*u8", scale_ptr="*u8", gs_ptr="*fp32")
+             OUT="*bf16", x_ptr="*bf16", data_ptr="*u8", scale_ptr="*u8", gs_ptr="*fp32", DELTA="*bf16", XS="*bf16")
 # the q/k norm + RoPE kernel's pointers (its K and S are tensors, the GEMM's are sizes)
 _QK_PTRS = dict(Q="*bf16", K="*bf16", V="*bf16", WQ="*bf16", WK="*bf16", C="*bf16", S="*bf16", QO="*bf16", KO="*bf16",
                 VO="*bf16", QN="*bf16", KN="*bf16", RQ="*fp32", RK="*fp32", SLOT="*i32", POS="*i64")
@@ -173,7 +173,8 @@ def probe_sm90(out: Path) -> list[dict]:
     # the row kernels that quantize their output (RMSNorm, SiLU * up) and the quantize kernel, 0.6B/1.7B widths
     for n_ in (1024, 2048):
         rows_, block, warps = rows_mod.rms_norm_config(n_)
-        cases.append((f"rms_norm_quantize_N{n_}", rows_mod._rms_norm_fwd_kernel, dict(ROWS=rows_, BLOCK=block, QUANT=True),
+        cases.append((f"add_rms_norm_quantize_N{n_}", rows_mod._rms_norm_fwd_kernel,
+                      dict(ROWS=rows_, BLOCK=block, QUANT=True, RESIDUAL=True),
                       dict(BLOCK_M=rows_, BLOCK_N=block, BLOCK_K=16, num_warps=warps, num_stages=1), (), rows_))
     for n_ in (3072, 6144):
         cases.append((f"silu_mul_quantize_N{n_}", rows_mod._silu_mul_quantize_kernel, dict(NB=64, EVEN=True),

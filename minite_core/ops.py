@@ -325,6 +325,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, backen
     return (y, nvfp4.quantize(y, check_finite=False)) if quantize else y
 
 
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+                 backend: str | None = None, quantize: bool = False) -> tuple:
+    """The residual add and the next RMSNorm in one op: s = x + delta (rounded once to x's dtype, as `x + delta`),
+    y = rms_norm(s) -> (s, y, quantize(y) with `quantize`, else None). One kernel on the triton backend."""
+    backend = resolve_backend(backend)
+    if delta.shape != x.shape or delta.dtype != x.dtype or delta.device != x.device:
+        raise ValueError(f"add_rms_norm: delta {tuple(delta.shape)} {delta.dtype} must match x {tuple(x.shape)} {x.dtype}")
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm weight has shape {tuple(weight.shape)}, expected ({x.shape[-1]},)")
+    if quantize:
+        _check_quantizable(x, "add_rms_norm")
+    if backend == "triton":
+        from .kernels.rows import RMSNormFunction, as_nvfp4
+
+        _check_triton_device(x, "x")
+        if weight.device != x.device:
+            raise ValueError(f"x is on {x.device} but the rms_norm weight is on {weight.device}")
+        out = RMSNormFunction.apply(x, weight, float(eps), quantize, delta)
+        return out[1], out[0], (as_nvfp4(out[2:], tuple(x.shape)) if quantize else None)
+    s = x + delta
+    y = reference.rms_norm(s, weight, eps)
+    return s, y, (nvfp4.quantize(y, check_finite=False) if quantize else None)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None, quantize: bool = False):
     """silu(gate) * up in fp32, rounded once to gate's dtype (SwiGLU). `quantize=True` -> (h, quantize(h)),
     as `rms_norm`'s."""

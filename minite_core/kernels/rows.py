@@ -75,14 +75,21 @@ def rms_scale(xf, rstd, w, XDT: tl.constexpr, YDT: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_fwd_kernel(X, W, Y, RSTD, Q, QS, QGS, R, N, sx, sy, nf, eps,
-                         ROWS: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr):
+def _rms_norm_fwd_kernel(X, W, Y, RSTD, Q, QS, QGS, DELTA, XS, R, N, sx, sy, sd, nf, eps,
+                         ROWS: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, RESIDUAL: tl.constexpr):
+    """RESIDUAL: the rows normalized are x + delta (rounded once to x's dtype, as torch adds), also written
+    to XS [R, N]; QUANT: y's NVFP4 (`quantize_rows`)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     row_ok = rows < R
     mask = row_ok[:, None] & (cols < N)[None, :]
     rows64 = rows.to(tl.int64)
     xf = tl.load(X + rows64[:, None] * sx + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        d = tl.load(DELTA + rows64[:, None] * sd + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        xs = round_to(xf + d, X.dtype.element_ty)
+        tl.store(XS + rows64[:, None] * N + cols[None, :], xs, mask=mask)
+        xf = xs.to(tl.float32)
     rstd = rms_rstd(xf, nf, eps)
     w = tl.load(W + cols, mask=cols < N, other=0.0)
     out = rms_scale(xf, rstd, w, X.dtype.element_ty, Y.dtype.element_ty)
@@ -164,21 +171,26 @@ def _rows2d(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool = False):
-    """x [..., N], weight [N] -> (y [..., N] in promote(x, weight) dtype, rstd [rows] fp32, and with `quantize`
-    the NVFP4 of y with per-row global scales as (packed, scale bytes, global scales), else None)."""
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool = False,
+                     delta: torch.Tensor | None = None):
+    """x [..., N], weight [N] -> (y [..., N] in promote(x, weight) dtype, rstd [rows] fp32, the NVFP4 of y with
+    per-row global scales as (packed, scale bytes, global scales) with `quantize` else None, x + delta
+    (rounded to x's dtype) with `delta` else None): y normalizes x + delta when given."""
     x2 = _rows2d(x)
     r, n = x2.shape
     w = weight.contiguous()
     y = torch.empty(r, n, device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
     rstd = torch.empty(r, device=x.device, dtype=torch.float32)
     q = _nvfp4_out(r, n, x.device) if quantize else None
+    d2 = _rows2d(delta) if delta is not None else None
+    xs = torch.empty(r, n, device=x.device, dtype=x.dtype) if delta is not None else None
     if r and n:
         rows, block, warps = rms_norm_config(n)
-        _rms_norm_fwd_kernel[(triton.cdiv(r, rows),)](x2, w, y, rstd, *(q or (y, y, y)), r, n, x2.stride(0), y.stride(0),
-                                                       float(n), float(eps), ROWS=rows, BLOCK=block, QUANT=quantize,
-                                                       num_warps=warps)
-    return y.reshape(*x.shape[:-1], n), rstd, q
+        _rms_norm_fwd_kernel[(triton.cdiv(r, rows),)](
+            x2, w, y, rstd, *(q or (y, y, y)), d2 if d2 is not None else x2, xs if xs is not None else y, r, n,
+            x2.stride(0), y.stride(0), d2.stride(0) if d2 is not None else 0, float(n), float(eps),
+            ROWS=rows, BLOCK=block, QUANT=quantize, RESIDUAL=delta is not None, num_warps=warps)
+    return y.reshape(*x.shape[:-1], n), rstd, q, (xs.reshape(x.shape) if xs is not None else None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -208,23 +220,30 @@ def rms_norm_backward(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rs
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype): the Triton forward and backward above."""
+    """weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype): the Triton forward and backward above. With `delta`,
+    of s = x + delta (the residual add fused in). Returns y, then s (with delta), then y's NVFP4 as (packed,
+    scale bytes, global scales) (with quantize; no gradient)."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, quantize=False):
-        """-> y, or with `quantize` (y, packed, scale bytes, global scales): y's NVFP4 (no gradient)."""
-        y, rstd, q = rms_norm_forward(x, weight, eps, quantize)
-        ctx.save_for_backward(x, weight, rstd)
+    def forward(ctx, x, weight, eps, quantize=False, delta=None):
+        y, rstd, q, xs = rms_norm_forward(x, weight, eps, quantize, delta)
+        ctx.save_for_backward(x if xs is None else xs, weight, rstd)
+        ctx.residual = xs is not None
+        out = (y,) + ((xs,) if xs is not None else ())
         if q is None:
-            return y
+            return out if len(out) > 1 else y
         ctx.mark_non_differentiable(*q)
-        return (y, *q)
+        return (*out, *q)
 
     @staticmethod
-    def backward(ctx, g, *_):
+    def backward(ctx, g, *rest):
         x, weight, rstd = ctx.saved_tensors
         dx, dw = rms_norm_backward(g, x, weight, rstd, ctx.needs_input_grad[1])
-        return (dx if ctx.needs_input_grad[0] else None), dw, None, None
+        dd = None
+        if ctx.residual:  # s = x + delta feeds the norm and the residual stream: both gradients reach x and delta
+            dx = dx + rest[0]
+            dd = dx if ctx.needs_input_grad[4] else None
+        return (dx if ctx.needs_input_grad[0] else None), dw, None, None, dd
 
 
 # ------------------------------------------------------------------------------------------ SiLU * up

@@ -241,12 +241,16 @@ class Qwen3:
     def norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return ops.rms_norm(x, self.param(name + ".weight"), self.cfg.rms_norm_eps, backend=self.backend)
 
-    def norm_for(self, x: torch.Tensor, name: str, *consumers: str) -> tuple[torch.Tensor, NVFP4Tensor | None]:
-        """The RMSNorm `name` of x that feeds the linears `consumers` -> (y, y's NVFP4 if they quantize it)."""
-        if self.quantizes_input(*consumers):
-            return ops.rms_norm(x, self.param(name + ".weight"), self.cfg.rms_norm_eps, backend=self.backend,
-                                quantize=True)
-        return self.norm(x, name), None
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, name: str, *consumers: str):
+        """The residual stream x plus the last sublayer's output `delta` (None: nothing to add), and the RMSNorm
+        `name` of the sum for the linears `consumers` -> (x + delta, y, y's NVFP4 if they quantize it, else
+        None): one kernel on the triton backend (`ops.add_rms_norm`, `ops.rms_norm`)."""
+        w, quant = self.param(name + ".weight"), self.quantizes_input(*consumers)
+        if delta is not None:
+            return ops.add_rms_norm(x, delta, w, self.cfg.rms_norm_eps, backend=self.backend, quantize=quant)
+        if quant:
+            return (x, *ops.rms_norm(x, w, self.cfg.rms_norm_eps, backend=self.backend, quantize=True))
+        return x, self.norm(x, name), None
 
     def rope(self, positions: torch.Tensor):
         freqs = positions.float().unsqueeze(-1) * self.inv_freq
@@ -313,10 +317,11 @@ class Qwen3:
             kv_len = torch.full((b,), t, device=input_ids.device)
         else:
             kv_len = positions[:, -1] + 1
+        delta = None  # the last sublayer's output, added to the residual stream x by the next norm's kernel
         for i in range(cfg.num_hidden_layers):
             p, n = f"model.layers.{i}.", f"layers.{i}."
             qkv = [p + f"self_attn.{z}_proj" for z in "qkv"]
-            h, h_q = self.norm_for(x, p + "input_layernorm", *qkv)  # h_q: h's NVFP4, or None
+            x, h, h_q = self.add_norm(x, delta, p + "input_layernorm", *qkv)  # h_q: h's NVFP4, or None
             q, k, v = self.linears(emit(n + "input_norm", h), *qkv, xq=h_q)
             q, k, v = emit(n + "q_proj", q), emit(n + "k_proj", k), emit(n + "v_proj", v)
             # q/k RMSNorm per head, RoPE, and (decode) the new keys/values written into the cache: one op
@@ -346,18 +351,19 @@ class Qwen3:
             else:
                 a = ops.attention(q, k, v, positions, kv_len, backend=self.backend, out_dtype=self.dtype)
             a = emit(n + "attention", a.to(self.dtype).transpose(1, 2).reshape(b, t, hq * d))
-            x = x + emit(n + "o_proj", self.linear(a, p + "self_attn.o_proj"))
+            delta = emit(n + "o_proj", self.linear(a, p + "self_attn.o_proj"))
             if cfg.is_moe_layer(i):
-                h = emit(n + "post_norm", self.norm(x, p + "post_attention_layernorm"))
-                x = x + emit(n + "mlp", self.moe(h, p + "mlp."))
+                x, h, _ = self.add_norm(x, delta, p + "post_attention_layernorm")
+                delta = emit(n + "mlp", self.moe(emit(n + "post_norm", h), p + "mlp."))
             else:
-                h, h_q = self.norm_for(x, p + "post_attention_layernorm", p + "mlp.gate_proj", p + "mlp.up_proj")
-                x = x + emit(n + "mlp", self.mlp(emit(n + "post_norm", h), p + "mlp.", xq=h_q))
+                x, h, h_q = self.add_norm(x, delta, p + "post_attention_layernorm", p + "mlp.gate_proj", p + "mlp.up_proj")
+                delta = emit(n + "mlp", self.mlp(emit(n + "post_norm", h), p + "mlp.", xq=h_q))
         if logits_at is not None:
-            x = x[torch.arange(b, device=x.device), logits_at].unsqueeze(1)
-        x = emit("final_norm", self.norm(x, "model.norm"))
+            at = (torch.arange(b, device=x.device), logits_at)
+            x, delta = x[at].unsqueeze(1), (delta[at].unsqueeze(1) if delta is not None else None)
         head = "model.embed_tokens" if cfg.tie_word_embeddings else "lm_head"
-        return emit("lm_head", self.linear(x, head).to(logits_dtype))
+        _, h, h_q = self.add_norm(x, delta, "model.norm", head)
+        return emit("lm_head", self.linears(emit("final_norm", h), head, xq=h_q)[0].to(logits_dtype))
 
     __call__ = forward
 

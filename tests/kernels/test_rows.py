@@ -114,6 +114,30 @@ def test_row_ops_that_quantize_their_output(device, backend, n, dtype):
             assert torch.equal(part.data, full.data[lo:hi]) and torch.equal(part.global_scale, full.global_scale[lo:hi])
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_is_the_add_then_the_norm(device, backend, dtype):
+    """The residual add fused into the next norm: s == x + delta, y == rms_norm(s), its quantize == quantize(y),
+    bit for bit; gradients as through `x + delta` and `rms_norm`."""
+    x = _rand(3, 5, 64, seed=30, device=device, dtype=dtype)
+    delta = _rand(3, 5, 64, seed=31, device=device, dtype=dtype, scale=0.3)
+    w = _rand(64, seed=32, device=device, dtype=dtype, shift=1.0)
+    for quantize in (False, True):
+        s, y, yq = ops.add_rms_norm(x, delta, w, 1e-6, backend=backend, quantize=quantize)
+        assert torch.equal(s, x + delta) and torch.equal(y, ops.rms_norm(x + delta, w, 1e-6, backend=backend))
+        assert (yq is None) != quantize and (not quantize or _same_nvfp4(yq, ops.quantize(y, backend=backend)))
+    if backend == "triton":
+        leaves = [z.float().requires_grad_(True) for z in (x, delta, w)]
+        gy, gs = _rand(3, 5, 64, seed=33, device=device), _rand(3, 5, 64, seed=34, device=device)
+        s, y, _ = ops.add_rms_norm(*leaves[:2], leaves[2], 1e-6, backend=backend)
+        fused = torch.autograd.grad((y, s), leaves, (gy, gs))
+        s2 = leaves[0] + leaves[1]
+        plain = torch.autograd.grad((ops.rms_norm(s2, leaves[2], 1e-6, backend=backend), s2), leaves, (gy, gs))
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(fused, plain))
+    with pytest.raises(ValueError, match="must match"):
+        ops.add_rms_norm(x, delta[:, :2], w, backend=backend)
+
+
 def test_row_ops_that_quantize_pass_the_gradient_of_their_output(device):
     x = _rand(6, 64, seed=23, device=device).requires_grad_(True)
     w = _rand(64, seed=24, device=device, shift=1.0).requires_grad_(True)
