@@ -43,7 +43,7 @@ def _bin(name: str) -> str:
 # --------------------------------------------------------------------------------------- sm_90, on the CPU
 
 _PTRS = dict(a_ptr="*u8", as_ptr="*u8", ags_ptr="*fp32", b_ptr="*u8", bs_ptr="*u8", bgs_ptr="*fp32",
-             bias_ptr="*bf16", c_ptr="*bf16", off_ptr="*i32", p_ptr="*fp32",
+             bias_ptr="*bf16", c_ptr="*bf16", off_ptr="*i32", p_ptr="*fp32", cnt_ptr="*i32",
              # the row kernels (bf16 activations, NVFP4 outputs)
              X="*bf16", W="*bf16", Y="*bf16", RSTD="*fp32", Q="*u8", QS="*u8", QGS="*fp32", GATE="*bf16", UP="*bf16",
              OUT="*bf16", x_ptr="*bf16", data_ptr="*u8", scale_ptr="*u8", gs_ptr="*fp32", DELTA="*bf16", XS="*bf16")
@@ -154,7 +154,7 @@ def probe_sm90(out: Path) -> list[dict]:
                 const = dict(FP4=True, DOT_FP32=False, DOT_BY_SUM=False, EVEN_K=True, HAS_BIAS=False,
                              SWAP_AB=cfg["SWAP_AB"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                              GROUP_M=cfg["GROUP_M"], CHUNKED=cfg["CHUNKS"] > 1, SPLIT=cfg["SPLIT"],
-                             DECODED=cfg["DECODED"], NSEG=nseg)
+                             DECODED=cfg["DECODED"], NSEG=nseg, FIXUP=cfg["SPLIT"] and gemm_mod.COMBINE_IN_KERNEL)
                 kind = "split" if cfg["SPLIT"] else ("walk" if cfg["CHUNKS"] > 1 else "one")
                 name = (f"dense_{n_}x{k_}_M{m}_S{cfg['CHUNKS']}{kind}_{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}_"
                         f"{'swap' if cfg['SWAP_AB'] else 'wide'}{'_decoded' if cfg['DECODED'] else ''}"

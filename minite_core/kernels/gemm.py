@@ -251,19 +251,20 @@ def _combine_kernel(
 def _gemm_kernel(
     a_ptr, as_ptr, ags_ptr,
     b0, bs0, bgs0, sg0, bias0, c0, n0, b1, bs1, bgs1, sg1, bias1, c1, n1, b2, bs2, bgs2, sg2, bias2, c2, n2,
-    p_ptr, M, K, chunk_k, n_total, t1, t2, grid_n,
+    p_ptr, cnt_ptr, M, K, chunk_k, n_total, t1, t2, grid_n,
     stride_am, stride_asm, stride_ags, stride_bn, stride_bsn,
     FP4: tl.constexpr, DOT_FP32: tl.constexpr, DOT_BY_SUM: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, HAS_BIAS: tl.constexpr,
-    CHUNKED: tl.constexpr, SPLIT: tl.constexpr, DECODED: tl.constexpr, NSEG: tl.constexpr,
+    CHUNKED: tl.constexpr, SPLIT: tl.constexpr, DECODED: tl.constexpr, NSEG: tl.constexpr, FIXUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """x @ w_i.T for NSEG (1-3) weights w_i [n_i, K] of one launch, each into its own contiguous out c_i:
     the column tiles are aligned to the weights (t1, t2: the first tile column of weights 1 and 2), so a
     program computes a tile of one weight, exactly as a launch for that weight alone would.
     FP4: SPLIT, program (tile, c) writes chunk c's partial of its tile to p_ptr [S, M, n_total] (fp32, the
-    weights' columns side by side) and `_combine_kernel` finishes; else the program walks every chunk in
-    order and finishes itself, on packed operands or (DECODED) on `decode_nvfp4`'s fp16 ones. grid_n: the
-    tile columns of all the weights."""
+    weights' columns side by side); FIXUP: the tile's last program to count itself in `cnt_ptr` [tiles]
+    finishes (sums the partials in chunk order, the epilogue), else `_combine_kernel` does, the same
+    operations; not SPLIT: the program walks every chunk in order and finishes itself, on packed operands
+    or (DECODED) on `decode_nvfp4`'s fp16 ones. grid_n: the tile columns of all the weights."""
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     group = pid // (GROUP_M * grid_n)
@@ -290,8 +291,20 @@ def _gemm_kernel(
                             chunk_k, stride_am, stride_asm, stride_bn, stride_bsn, EVEN_K, SWAP_AB, False,
                             BLOCK_M, BLOCK_N, BLOCK_K)  # one chunk: its raw chain c_i (no second accumulator)
             col = _pick(seg, 0, n0, n0 + n1, NSEG) + offs_n
-            p = p_ptr + pid_k.to(tl.int64) * M * n_total + offs_m[:, None] * n_total + col[None, :]
-            tl.store(p, acc, mask=mask_m[:, None] & mask_n[None, :])
+            p = p_ptr + offs_m[:, None] * n_total + col[None, :]
+            mask = mask_m[:, None] & mask_n[None, :]
+            tl.store(p + pid_k.to(tl.int64) * M * n_total, acc, mask=mask)
+            if FIXUP:  # the tile's last program to finish adds the S partials in chunk order (no combine launch)
+                tl.debug_barrier()  # every thread's partial is stored before the release below
+                done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+                if done == tl.num_programs(1) - 1:
+                    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                    for c in range(0, tl.num_programs(1)):  # the combine kernel's additions, in the same order
+                        total = total + tl.load(p + c * M * n_total, mask=mask, other=0.0, cache_modifier=".cg")
+                    tl.store(cnt_ptr + pid, 0)  # the counters are all zero between launches
+                    acc = w4a4_epilogue(total, ags_ptr, stride_ags, _pick(seg, bgs0, bgs1, bgs2, NSEG),
+                                        _pick(seg, sg0, sg1, sg2, NSEG), offs_m, mask_m, offs_n, mask_n)
+                    _store_out(acc, bias_ptr, c_ptr, N, offs_m, mask_m, offs_n, mask_n, HAS_BIAS)
         else:
             acc = w4a4_tile(a_ptr, as_ptr, b_ptr, bs_ptr, offs_m, mask_m, offs_n, mask_n, K, 0, K, chunk_k,
                             stride_am, stride_asm, stride_bn, stride_bsn, EVEN_K, SWAP_AB, CHUNKED, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -391,6 +404,9 @@ def swap_block_m(m: int) -> int:
 CHUNK_TARGET_PROGRAMS = 2 * 132  # two programs per H200 SM (a constant: the bits must not depend on the GPU)
 CHUNK_TILE_N = 64  # the swapped tiles' BLOCK_N
 SPLIT_K = True  # bench/gemm.py only: False runs the chunk walk in one program for every M (same bits)
+# Split chunks are added by the tile's last program to finish (an arrival counter per tile: no second launch);
+# False: by `_combine_kernel` (the same additions; bench/gemm.py compares the two)
+COMBINE_IN_KERNEL = True
 
 
 def k_chunks(n: int, k: int) -> int:
@@ -539,14 +555,19 @@ def _launch(x, xd, segs: list, cfg: dict, fp4: bool):
     t1, t2, grid_n = _tile_bounds(ns, bn)
     padded = seg_args + [seg_args[0]] * (MAX_SEGMENTS - len(seg_args))  # unused slots (NSEG tells)
     flat = [v for a in padded for v in a]
-    # split: chunk partials [S, M, n_total] fp32 (torch.empty: no sync, graph-capturable), then the combine kernel
+    # split: chunk partials [S, M, n_total] fp32 (torch.empty: no sync, graph-capturable), then the tile's last
+    # program (COMBINE_IN_KERNEL) or the combine kernel adds them
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * grid_n
     part = torch.empty(chunks, m, n_total, dtype=torch.float32, device=x.device) if split else segs[0][2]
-    kernel = _gemm_kernel[(triton.cdiv(m, cfg["BLOCK_M"]) * grid_n, chunks if split else 1)](
-        *a_args, *flat, part, m, k, chunk_k, n_total, t1, t2, grid_n, *strides,
+    fixup = split and COMBINE_IN_KERNEL
+    counters = tile_counters(x.device, tiles) if fixup else part
+    kernel = _gemm_kernel[(tiles, chunks if split else 1)](
+        *a_args, *flat, part, counters, m, k, chunk_k, n_total, t1, t2, grid_n, *strides,
         FP4=fp4, DOT_FP32=not fp4 and x.dtype == torch.float32, DOT_BY_SUM=interpreting() and not fp4,
-        EVEN_K=k % bk == 0, HAS_BIAS=has_bias, CHUNKED=chunks > 1, SPLIT=split, DECODED=decoded, NSEG=len(segs), **cfg,
+        EVEN_K=k % bk == 0, HAS_BIAS=has_bias, CHUNKED=chunks > 1, SPLIT=split, DECODED=decoded, NSEG=len(segs),
+        FIXUP=fixup, **cfg,
     )
-    if split:
+    if split and not fixup:
         cbm, cbn = (16, 32) if interpreting() else (32, 128)
         c1, c2, cgrid_n = _tile_bounds(ns, cbn)
         comb = [v for (_, _, bgs, s_bgs, bias_arg, c, n) in padded for v in (bgs, s_bgs, bias_arg, c, n)]
@@ -555,6 +576,21 @@ def _launch(x, xd, segs: list, cfg: dict, fp4: bool):
             HAS_BIAS=has_bias, NSEG=len(segs), BLOCK_M=cbm, BLOCK_N=cbn, num_warps=4,
         )
     return kernel
+
+
+_COUNTERS: dict = {}
+
+
+def tile_counters(device: torch.device, n: int) -> torch.Tensor:
+    """int32 [>= n] zeros: the split launches' per-tile arrival counters. A launch's last program of a tile
+    resets its counter, so the buffer is all zeros between launches; launches on one stream run one after
+    another, so each (device, stream) has its own buffer (allocated once, grown when a launch needs more)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    buf = _COUNTERS.get((device, stream))
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[(device, stream)] = buf
+    return buf
 
 
 def _tile_bounds(ns: list, block_n: int) -> tuple[int, int, int]:

@@ -36,9 +36,13 @@ def _weights(widths, mode="tensor", seed=10):
     return [nvfp4.quantize(_rand(n, K, seed=seed + i) * 0.1, scale_mode=mode) for i, n in enumerate(widths)]
 
 
+@pytest.mark.parametrize("combine", ["in-kernel", "combine-kernel"])
 @pytest.mark.parametrize("mode", ["tensor", "row"])
 @pytest.mark.parametrize("m", MS)
-def test_weights_in_one_launch_have_the_bits_of_separate_launches(mode, m):
+def test_weights_in_one_launch_have_the_bits_of_separate_launches(monkeypatch, combine, mode, m):
+    """Split K chunks are added by the tile's last program (COMBINE_IN_KERNEL) or by the combine kernel: the
+    same bits either way, and the arrival counters are all zero again after every launch."""
+    monkeypatch.setattr(gemm, "COMBINE_IN_KERNEL", combine == "in-kernel")
     ws = _weights(WIDTHS, mode)
     assert len({gemm.k_chunks(w.shape[0], K) for w in ws}) == 1
     cfgs = [gemm.gemm_config(m, w.shape[0], K, True) for w in ws]
@@ -53,6 +57,10 @@ def test_weights_in_one_launch_have_the_bits_of_separate_launches(mode, m):
     outs = gemm.gemm_many_triton(xq, ws, biases, torch.bfloat16)
     for w, b, out in zip(ws, biases, outs):
         assert torch.equal(out, gemm.gemm_triton(xq, w, b, torch.bfloat16))
+    walk = gemm.gemm_triton(nvfp4.NVFP4Tensor(xq.data.repeat(200, 1)[:200], xq.scale.repeat(200, 1)[:200],
+                                              xq.global_scale.repeat(200, 1)[:200], (200, K)), ws[0], None, torch.float32)
+    assert torch.equal(gemm.gemm_triton(xq, ws[0], None, torch.float32), walk[:m])  # split == one-program walk
+    assert not gemm.tile_counters(xq.data.device, 1).any()
 
 
 def test_weights_that_cannot_share_a_launch_get_their_own():
