@@ -10,6 +10,8 @@ For each shape (N, K) and M it times, with triton.testing.do_bench_cudagraph (me
   minite-gemm   the W4A4 GEMM kernel alone on pre-quantized activations (S = gemm.k_chunks(N, K) K chunks;
                 for M <= 128 and S > 1 split over programs + a combine kernel)
   minite-gemm-walk  M <= 128, S > 1: the same bits with the chunks walked in one program (SPLIT_K = False)
+  minite-gemm-combine-kernel  M <= 128, S > 1: the split chunks added by a second kernel instead of the tile's
+                last program (COMBINE_IN_KERNEL = False; same bits, checked: combine-same-bits)
   minite-gemm-packed M > 128: the same bits from the packed operands decoded in every tile (DECODE_WIDE = False;
                 the default decodes both operands once, `decode-both`, and runs the tile on fp16)
 and the activation-quantize kernel's bandwidth against a plain device copy, and (`decode_layer`) a Qwen3
@@ -121,6 +123,11 @@ def run(quick: bool) -> list[dict]:
                 gemm_mod.SPLIT_K = False
                 r["minite-gemm-walk"] = bench(lambda: gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16))
                 gemm_mod.SPLIT_K = True
+                in_kernel = gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16)
+                gemm_mod.COMBINE_IN_KERNEL = False  # the split chunks added by a second kernel (same bits)
+                r["minite-gemm-combine-kernel"] = bench(lambda: gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16))
+                r["combine-same-bits"] = torch.equal(in_kernel, gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16))
+                gemm_mod.COMBINE_IN_KERNEL = True
             rows.append(r)
             print(json.dumps(r), flush=True)
     return rows
@@ -346,11 +353,12 @@ def main():
     if args.grouped_only:
         return
 
-    print("\n   N     K     M  S | cuBLAS bf16 | fp8 mm | naive deq | minite w4a4 | gemm only | no split  | wide tiles  | packed wide | w4a4 vs bf16 | TFLOP/s w4a4 (bf16)")
+    print("\n   N     K     M  S | cuBLAS bf16 | fp8 mm | naive deq | minite w4a4 | gemm only | no split  | combine kernel | wide tiles  | packed wide | w4a4 vs bf16 | TFLOP/s w4a4 (bf16)")
     for r in rows:
         flop = 2 * r["M"] * r["N"] * r["K"]
         print(f"{r['N']:5d} {r['K']:5d} {r['M']:5d} {r['S']:2d} | {us(r['cublas-bf16'])}us | {us(r['fp8-scaled-mm'])} | {us(r['naive-deq'])} |"
-              f" {us(r['minite-w4a4'])}   | {us(r['minite-gemm'])} | {us(r.get('minite-gemm-walk'))} | {us(r.get('minite-gemm-wide-tiles'))}   |"
+              f" {us(r['minite-w4a4'])}   | {us(r['minite-gemm'])} | {us(r.get('minite-gemm-walk'))} | {us(r.get('minite-gemm-combine-kernel'))}      |"
+              f" {us(r.get('minite-gemm-wide-tiles'))}   |"
               f" {us(r.get('minite-gemm-packed'))}   |"
               f" {r['cublas-bf16'] / r['minite-w4a4']:6.2f}x      | {flop / r['minite-w4a4'] / 1e12:7.1f} ({flop / r['cublas-bf16'] / 1e12:6.1f})")
     print(f"\nquantize 8192x4096 bf16: {qbw['quantize_GBps']:.0f} GB/s vs copy {qbw['copy_GBps']:.0f} GB/s = {qbw['ratio']:.2f}")
