@@ -16,7 +16,6 @@ batch-invariant; only the forward must match the rollout).
 """
 from __future__ import annotations
 
-import functools
 import os
 from typing import NamedTuple
 
@@ -178,9 +177,10 @@ class _Linears(torch.autograd.Function):
         need_x = ctx.needs_input_grad[0]
         x2 = x.reshape(-1, x.shape[-1]) if x is not None else None
         grad_x, grad_ws, grad_bs = None, [], []
+        deq = _dequantizer(ctx.backend, ctx.xq)
         for i, (w, w_tensor, grad_out) in enumerate(zip(ctx.ws, w_tensors, grad_outs)):
             need_w = w_tensor is not None and ctx.needs_input_grad[7 + i]
-            gx, gw = _linear_grads(ctx, grad_out.reshape(-1, grad_out.shape[-1]), x2, w, w_tensor, need_x, need_w)
+            gx, gw = _linear_grads(ctx, grad_out.reshape(-1, grad_out.shape[-1]), x2, w, w_tensor, need_x, need_w, deq)
             if need_x:
                 gx = gx.reshape(ctx.x_shape).to(ctx.x_dtype)
                 grad_x = gx if grad_x is None else grad_x + gx  # the weights' order: fixed
@@ -192,16 +192,29 @@ class _Linears(torch.autograd.Function):
         return grad_x, None, None, None, None, None, None, *grad_ws, *grad_bs
 
 
-def _linear_grads(ctx, g2, x2, w, w_tensor, need_x: bool, need_w: bool):
-    """(grad_x, grad_w) of one weight by the recipe `ctx.bwd` (`minite_core.backward`)."""
+def _linear_grads(ctx, g2, x2, w, w_tensor, need_x: bool, need_w: bool, deq):
+    """(grad_x, grad_w) of one weight by the recipe `ctx.bwd` (`minite_core.backward`); `deq`: the dequantize."""
     if ctx.bwd == "nvfp4" and isinstance(w, NVFP4Tensor):
         return bwd.nvfp4_recipe(g2.float(), x2, w)
     if ctx.bwd == "fp8":
-        return bwd.fp8_recipe(g2, x2, w, ctx.xq, need_x, need_w, functools.partial(dequantize, backend=ctx.backend))
+        return bwd.fp8_recipe(g2, x2, w, ctx.xq, need_x, need_w, deq)
     if g2.is_cuda:
-        return bwd.ste_cuda(g2, x2, w, ctx.xq, ctx.x_dtype if need_x else None, w_tensor.dtype if need_w else None,
-                            functools.partial(dequantize, backend=ctx.backend))
+        return bwd.ste_cuda(g2, x2, w, ctx.xq, ctx.x_dtype if need_x else None, w_tensor.dtype if need_w else None, deq)
     return bwd.ste_cpu(g2.float(), x2, w, ctx.xq)  # CPU: the fixed-order fp32 path (reproducible resumes)
+
+
+def _dequantizer(backend: str, xq):
+    """`dequantize` on `backend` that dequantizes the activation xq once: every weight's wgrad of one
+    `linears` call reads the same Q(x)."""
+    done = {}
+
+    def deq(t, dtype):
+        if t is not xq:
+            return dequantize(t, dtype, backend=backend)
+        if dtype not in done:
+            done[dtype] = dequantize(t, dtype, backend=backend)
+        return done[dtype]
+    return deq
 
 
 def linear(
