@@ -317,6 +317,9 @@ class Qwen3:
             kv_len = torch.full((b,), t, device=input_ids.device)
         else:
             kv_len = positions[:, -1] + 1
+        # the attention kernel's int32 indices, converted once per forward instead of in every layer
+        att_pos, att_len = positions.to(torch.int32), kv_len.to(torch.int32)
+        att_rows = slots.to(torch.int32) if slots is not None else None
         delta = None  # the last sublayer's output, added to the residual stream x by the next norm's kernel
         for i in range(cfg.num_hidden_layers):
             p, n = f"model.layers.{i}.", f"layers.{i}."
@@ -346,10 +349,10 @@ class Qwen3:
                     k, v = cache.k[i][slots], cache.v[i][slots]
                 a = sdpa_attention(q, k, v, positions, kv_len)
             elif cache is not None:  # attend over each sequence's cache row in place (no gather)
-                a = ops.attention(q, cache.k[i], cache.v[i], positions, kv_len, backend=self.backend, kv_rows=slots,
+                a = ops.attention(q, cache.k[i], cache.v[i], att_pos, att_len, backend=self.backend, kv_rows=att_rows,
                                   out_dtype=self.dtype)
             else:
-                a = ops.attention(q, k, v, positions, kv_len, backend=self.backend, out_dtype=self.dtype)
+                a = ops.attention(q, k, v, att_pos, att_len, backend=self.backend, out_dtype=self.dtype)
             a = emit(n + "attention", a.to(self.dtype).transpose(1, 2).reshape(b, t, hq * d))
             delta = emit(n + "o_proj", self.linear(a, p + "self_attn.o_proj"))
             if cfg.is_moe_layer(i):
