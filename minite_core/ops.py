@@ -13,6 +13,13 @@ tolerance, not bit for bit: a rollout engine and a learner must use the same bac
 `linear` is an autograd.Function: the forward is the invariant GEMM; the backward is a
 straight-through estimator on the dequantized operands with library matmuls (gradients need not be
 batch-invariant; only the forward must match the rollout).
+
+A decode step of a small model is bound by kernel launches, so the ops the model chains are also offered
+fused, each with the arithmetic of the chain it replaces: `linears` (projections of one input: one
+activation quantize, one GEMM launch), `rms_norm` / `silu_mul` with quantize=True (the NVFP4 activation
+of the next linears from the same kernel), `add_rms_norm` (the residual add in the norm's kernel),
+`qk_norm_rope` (q/k RMSNorm, RoPE and the KV-cache write), `attention(out_dtype=)`. `bench/launches.py`
+counts what a decode step launches.
 """
 from __future__ import annotations
 

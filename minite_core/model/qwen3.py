@@ -6,6 +6,12 @@ MoE softmax-top-k routing with optional renormalisation and experts combined in 
 order), but every reduction is one of miniTE's fixed-order ops, so a token's logits do not depend on
 its batch mates, and a decode step over a KV cache gives the bits of the full-sequence forward.
 
+Per layer it runs the fused ops (`ops` docstring): add + RMSNorm (+ the NVFP4 quantize of its output when
+the next linears are NVFP4), q/k/v in one `linears` call, `qk_norm_rope` (which also writes the KV cache),
+attention, o_proj, add + RMSNorm, gate/up in one call, SiLU*up (+ quantize), down_proj; the residual
+add of a sublayer's output happens in the next norm's kernel. Both engines run this one function, so
+they run the same kernels.
+
 `Qwen3.forward(input_ids, positions, cache=None)` serves both engines:
 - learner / prefill: positions [B, T], no cache: attention over the sequence itself;
 - rollout decode: `cache` is a `KVCache` and `slots` name the cache rows of the batch; the new keys and
