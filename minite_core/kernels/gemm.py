@@ -21,8 +21,10 @@ count (S a power of two dividing cdiv(K, BLOCK_K); S > 1 where N alone gives too
 the GPU, e.g. S = 8 for N = K = 1024). The reduction order for (N, K) is then: per chunk, the MMA chain
 from zero over the chunk's steps (c_i); across chunks total = ((0 + c0) + c1) + ... in fp32, left to
 right; then the epilogue. M <= 128 (SPLIT): grid (tiles, S), program (t, i) writes c_i of its tile to
-an fp32 scratch [S, M, N] (torch.empty in the launcher: no sync, graph-capturable) and `_combine_kernel`
-adds the S partials in chunk order and applies the epilogue. M > 128 and the grouped kernel: one program
+an fp32 scratch [S, M, N] (torch.empty in the launcher: no sync, graph-capturable); the tile's last
+program to finish (a per-tile arrival counter: a CTA barrier, then an acq_rel atomic at GPU scope, the
+partials read back past L1) adds the S partials in chunk order and applies the epilogue, so no second
+launch (COMBINE_IN_KERNEL; False: `_combine_kernel` does the same additions). M > 128 and the grouped kernel: one program
 walks the chunks in order, a second accumulator `total` in registers (`w4a4_tile` with CHUNKED), no
 scratch; with S > 1 the wide tile is 128x128 (a 128x256 tile with two accumulators would spill).
 
@@ -45,9 +47,9 @@ matter):
    swapped tile's MMA-M is BLOCK_N = 64 rows of w per warpgroup; bench/gemm_probe.py prints the MMA
    version from the TTGIR). This is the hardware property the GPU run of the invariance tests checks;
    under the interpreter the fp16 dot is numpy's own loop, per element as well.
-4. The chunk combine is the same sequence of fp32 additions in both places: total = 0, then
-   total = total + c_i for i = 0 .. S-1 (the walk does it at each chunk's last step, the combine kernel
-   over the scratch), each a correctly rounded fp32 add. S = 1 skips it in every config (acc = c_0).
+4. The chunk combine is the same sequence of fp32 additions in every place: total = 0, then
+   total = total + c_i for i = 0 .. S-1 (the walk does it at each chunk's last step, the split tile's last
+   program or the combine kernel over the scratch), each a correctly rounded fp32 add. S = 1 skips it in every config (acc = c_0).
 5. The epilogue is per element, (total * gs_x[m]) * gs_w[n] (+ bias), two fp32 roundings in a fixed
    order, one helper (`w4a4_epilogue`, `_store_out`) for the one-program, combine and grouped kernels.
    Out-of-range rows and columns load zeros, are never stored, and cannot reach a valid row.

@@ -1,4 +1,5 @@
-"""Row-local ops (Triton): RMSNorm, SiLU * up (SwiGLU), NeoX RoPE; forward and backward, batch-invariant.
+"""Row-local ops (Triton): RMSNorm, SiLU * up (SwiGLU), NeoX RoPE, and their fusions for the decode step;
+forward and backward, batch-invariant.
 
 The learner's step was dominated by the torch versions of these ops (each a chain of elementwise kernels
 over fp32 copies); here each is one kernel forward and one backward.
@@ -30,6 +31,15 @@ g2 cos2 - g1 sin1); cos and sin get no gradient (they are functions of the posit
 one (batch, position) and BLOCK_H heads; elementwise, so batch-invariant. x may be any strided view with
 a unit last stride (the model's q/k are [B, T, H, D] buffers seen as [B, H, T, D]); the output keeps x's
 layout.
+
+Fused for the decode step (one launch instead of a chain; the same arithmetic, through the same helpers):
+RMSNorm with the residual add in front (`delta`: s = x + delta rounded to x's dtype, as torch adds, written
+out as the new residual stream) and/or the NVFP4 quantize of its output behind (`quantize_rows`, the
+quantize kernel's `quantize_blocks`: maxima and elementwise operations only, so the bits of
+`quantize_triton(y)`); SiLU * up with the quantize of its output (a row per program, two walks over the
+row: amax, then values and codes); and q/k RMSNorm per head + RoPE (+ the KV-cache write of k and v),
+one program per token (`_qk_norm_rope_kernel`: the norm's `rms_rstd` on each whole head row, `rms_scale`
+and `rope_rotate` on its halves). Its backward runs the RoPE and RMSNorm backward kernels.
 
 Every rounding to the output dtype goes through `round_to`: the interpreter's fp32 -> bf16 cast truncates
 where the GPU's rounds to nearest even, so bf16 is rounded by hand first (then the cast is exact, and the
@@ -107,7 +117,7 @@ def quantize_rows(v, rows64, row_ok, N, Q, QS, QGS, ROWS: tl.constexpr, BLOCK: t
     gs = row_global_scale(tl.max(tl.abs(v), axis=1))
     tl.store(QGS + rows64, gs, mask=row_ok)
     gsb = tl.reshape(tl.broadcast_to(gs[:, None], [ROWS, BLOCK // 16]), [ROWS * (BLOCK // 16)])
-    packed, s_code = quantize_blocks(tl.reshape(v, [ROWS * (BLOCK // 16), 16]), gsb, tl.div_rn(gsb * 0.0 + 1.0, gsb))
+    packed, s_code = quantize_blocks(tl.reshape(v, [ROWS * (BLOCK // 16), 16]), gsb, tl.div_rn(tl.zeros_like(gsb) + 1.0, gsb))
     c8 = tl.arange(0, BLOCK // 2)
     c16 = tl.arange(0, BLOCK // 16)
     tl.store(Q + rows64[:, None] * (N // 2) + c8[None, :], tl.reshape(packed, [ROWS, BLOCK // 2]),
@@ -285,17 +295,16 @@ def _silu_mul_quantize_kernel(GATE, UP, OUT, Q, QS, QGS, N, NB: tl.constexpr, EV
     blk = tl.arange(0, NB)
     offs16 = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
     offs8 = blk[:, None] * 8 + tl.arange(0, 8)[None, :]
-    dtype: tl.constexpr = OUT.dtype.element_ty
     amax = tl.zeros([NB], dtype=tl.float32)
     for k0 in range(0, N, NB * 16):
-        out = _silu_mul_chunk(GATE, UP, row * N, k0 + offs16, N, EVEN, dtype)
+        out = _silu_mul_chunk(GATE, UP, row * N, k0 + offs16, N, EVEN, OUT.dtype.element_ty)
         amax = tl.maximum(amax, tl.max(tl.abs(out.to(tl.float32)), axis=1))
     gs = row_global_scale(tl.max(amax, axis=0))
     tl.store(QGS + row, gs)
     gs = gs + tl.zeros([NB], dtype=tl.float32)
     inv_gs = tl.div_rn(tl.zeros([NB], dtype=tl.float32) + 1.0, gs)
     for k0 in range(0, N, NB * 16):
-        out = _silu_mul_chunk(GATE, UP, row * N, k0 + offs16, N, EVEN, dtype)
+        out = _silu_mul_chunk(GATE, UP, row * N, k0 + offs16, N, EVEN, OUT.dtype.element_ty)
         packed, s_code = quantize_blocks(out.to(tl.float32), gs, inv_gs)
         if EVEN:
             tl.store(OUT + row * N + k0 + offs16, out)
@@ -483,12 +492,11 @@ def _qk_norm_rope_kernel(Q, K, V, WQ, WK, C, S, QO, KO, VO, QN, KN, RQ, RK, SLOT
     c2 = tl.load(C + b * scb + t * sct + D // 2 + hd).to(tl.float32)[None, :]
     s1 = tl.load(S + b * ssb + t * sst + hd).to(tl.float32)[None, :]
     s2 = tl.load(S + b * ssb + t * sst + D // 2 + hd).to(tl.float32)[None, :]
-    ydt: tl.constexpr = QO.dtype.element_ty
-    y1, y2, o1, o2 = _norm_rope_heads(Q, sq, tok, HQ, WQ, RQ, c1, c2, s1, s2, nf, eps, BLOCK_H, D, ydt)
+    y1, y2, o1, o2 = _norm_rope_heads(Q, sq, tok, HQ, WQ, RQ, c1, c2, s1, s2, nf, eps, BLOCK_H, D, QO.dtype.element_ty)
     _store_heads(QO, HQ * D, D, 0, tok, 0, HQ, o1, o2, BLOCK_H, D)
     if NORM_OUT:
         _store_heads(QN, HQ * D, D, 0, tok, 0, HQ, y1, y2, BLOCK_H, D)
-    y1, y2, o1, o2 = _norm_rope_heads(K, sk, tok, HKV, WK, RK, c1, c2, s1, s2, nf, eps, BLOCK_H, D, ydt)
+    y1, y2, o1, o2 = _norm_rope_heads(K, sk, tok, HKV, WK, RK, c1, c2, s1, s2, nf, eps, BLOCK_H, D, QO.dtype.element_ty)
     if NORM_OUT:
         _store_heads(KN, HKV * D, D, 0, tok, 0, HKV, y1, y2, BLOCK_H, D)
     if TO_CACHE:

@@ -83,7 +83,7 @@ def grouped_moe(model, flat: torch.Tensor, p: str, top_v: torch.Tensor, top_i: t
     xq = ops.quantize(flat.index_select(0, srt.tokens), backend="triton", check_finite=False)
     gate = grouped_gemm(xq, st["gate_proj"], srt.offsets, model.dtype)
     up = grouped_gemm(xq, st["up_proj"], srt.offsets, model.dtype)
-    hq = ops.quantize(ops.silu_mul(gate, up, backend="triton"), backend="triton", check_finite=False)
+    _, hq = ops.silu_mul(gate, up, backend="triton", quantize=True)  # SiLU*up and its NVFP4 from one kernel
     y = grouped_gemm(hq, st["down_proj"], srt.offsets, model.dtype)  # [T*k, H], sorted by expert
     contrib = y * top_v.reshape(-1).index_select(0, srt.perm).unsqueeze(-1)
     # row of pair (t, slot) in the sorted order; each token's slots visited in ascending expert order
