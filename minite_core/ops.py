@@ -324,49 +324,44 @@ def _with_nvfp4(out, shape, quantize: bool):
     return out[0], as_nvfp4(out[1:], tuple(shape))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, backend: str | None = None,
-             quantize: bool = False):
-    """weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), statistics in fp32 (HF's Qwen3RMSNorm).
-    `quantize=True` -> (y, quantize(y)): y and its NVFP4 with per-row global scales (the activation of the
-    linears it feeds, `linears(..., xq=)`), on the triton backend from the same kernel."""
+def _rms_norm(x, delta, weight, eps: float, backend: str | None, quantize: bool) -> tuple:
+    """-> (s, y, yq): s = x + delta (x itself when delta is None), y = rms_norm(s), yq = quantize(y) or None."""
     backend = resolve_backend(backend)
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm weight has shape {tuple(weight.shape)}, expected ({x.shape[-1]},)")
     if quantize:
         _check_quantizable(x, "rms_norm")
     if backend == "triton":
-        from .kernels.rows import RMSNormFunction
+        from .kernels.rows import RMSNormFunction, as_nvfp4
 
         _check_triton_device(x, "x")
         if weight.device != x.device:
             raise ValueError(f"x is on {x.device} but the rms_norm weight is on {weight.device}")
-        return _with_nvfp4(RMSNormFunction.apply(x, weight, float(eps), quantize), x.shape, quantize)
-    y = reference.rms_norm(x, weight, eps)
-    return (y, nvfp4.quantize(y, check_finite=False)) if quantize else y
+        out = RMSNormFunction.apply(x, weight, float(eps), quantize, delta)  # y[, s][, y's NVFP4 parts]
+        out = out if isinstance(out, tuple) else (out,)
+        s, q = (out[1], out[2:]) if delta is not None else (x, out[1:])
+        return s, out[0], (as_nvfp4(q, tuple(x.shape)) if quantize else None)
+    s = x + delta if delta is not None else x
+    y = reference.rms_norm(s, weight, eps)
+    return s, y, (nvfp4.quantize(y, check_finite=False) if quantize else None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, backend: str | None = None,
+             quantize: bool = False):
+    """weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), statistics in fp32 (HF's Qwen3RMSNorm).
+    `quantize=True` -> (y, quantize(y)): y and its NVFP4 with per-row global scales (the activation of the
+    linears it feeds, `linears(..., xq=)`), on the triton backend from the same kernel."""
+    _, y, yq = _rms_norm(x, None, weight, eps, backend, quantize)
+    return (y, yq) if quantize else y
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
                  backend: str | None = None, quantize: bool = False) -> tuple:
     """The residual add and the next RMSNorm in one op: s = x + delta (rounded once to x's dtype, as `x + delta`),
     y = rms_norm(s) -> (s, y, quantize(y) with `quantize`, else None). One kernel on the triton backend."""
-    backend = resolve_backend(backend)
     if delta.shape != x.shape or delta.dtype != x.dtype or delta.device != x.device:
         raise ValueError(f"add_rms_norm: delta {tuple(delta.shape)} {delta.dtype} must match x {tuple(x.shape)} {x.dtype}")
-    if weight.shape != x.shape[-1:]:
-        raise ValueError(f"rms_norm weight has shape {tuple(weight.shape)}, expected ({x.shape[-1]},)")
-    if quantize:
-        _check_quantizable(x, "add_rms_norm")
-    if backend == "triton":
-        from .kernels.rows import RMSNormFunction, as_nvfp4
-
-        _check_triton_device(x, "x")
-        if weight.device != x.device:
-            raise ValueError(f"x is on {x.device} but the rms_norm weight is on {weight.device}")
-        out = RMSNormFunction.apply(x, weight, float(eps), quantize, delta)
-        return out[1], out[0], (as_nvfp4(out[2:], tuple(x.shape)) if quantize else None)
-    s = x + delta
-    y = reference.rms_norm(s, weight, eps)
-    return s, y, (nvfp4.quantize(y, check_finite=False) if quantize else None)
+    return _rms_norm(x, delta, weight, eps, backend, quantize)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None, quantize: bool = False):
