@@ -187,12 +187,12 @@ class _Linears(torch.autograd.Function):
         deq = _dequantizer(ctx.backend, ctx.xq)
         for i, (w, w_tensor, grad_out) in enumerate(zip(ctx.ws, w_tensors, grad_outs)):
             need_w = w_tensor is not None and ctx.needs_input_grad[7 + i]
-            gx, gw = _linear_grads(ctx, grad_out.reshape(-1, grad_out.shape[-1]), x2, w, w_tensor, need_x, need_w, deq)
+            g2 = grad_out.reshape(-1, grad_out.shape[-1])
+            gx, gw = _linear_grads(ctx, g2, x2, w, w_tensor, need_x, need_w, deq)
             if need_x:
                 gx = gx.reshape(ctx.x_shape).to(ctx.x_dtype)
                 grad_x = gx if grad_x is None else grad_x + gx  # the weights' order: fixed
             grad_ws.append(gw.to(w_tensor.dtype) if need_w else None)
-            g2 = grad_out.reshape(-1, grad_out.shape[-1])
             need_b = ctx.has_bias[i] and ctx.needs_input_grad[7 + n + i]
             grad_bs.append((g2.sum(0, dtype=torch.float32) if g2.is_cuda else g2.float().sum(0)) if need_b else None)
         ctx.xq = None
