@@ -30,6 +30,7 @@ import triton  # noqa: E402
 
 from minite_core.kernels import gemm as gemm_mod  # noqa: E402
 from minite_core.kernels import grouped_gemm as gg  # noqa: E402
+from minite_core.kernels import qk_norm_rope as qkr_mod  # noqa: E402
 from minite_core.kernels import quantize as qmod  # noqa: E402
 from minite_core.kernels import rows as rows_mod  # noqa: E402
 
@@ -180,7 +181,7 @@ def probe_sm90(out: Path) -> list[dict]:
         cases.append((f"silu_mul_quantize_N{n_}", rows_mod._silu_mul_quantize_kernel, dict(NB=64, EVEN=True),
                       dict(BLOCK_M=1, BLOCK_N=1024, BLOCK_K=16, num_warps=4, num_stages=1), (), 1))
     for to_cache in (False, True):  # Qwen3-0.6B heads: 16 q, 8 k/v, head_dim 128
-        cases.append((f"qk_norm_rope_{'cache' if to_cache else 'buffers'}", rows_mod._qk_norm_rope_kernel,
+        cases.append((f"qk_norm_rope_{'cache' if to_cache else 'buffers'}", qkr_mod._qk_norm_rope_kernel,
                       dict(BLOCK_H=16, D=128, TO_CACHE=to_cache, NORM_OUT=False),
                       dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=16, num_warps=4, num_stages=1), (), 1, _QK_PTRS))
     cases.append(("quantize_row_gs", qmod._quantize_kernel, dict(ROW_GS=True, NB=64, EVEN_K=True),

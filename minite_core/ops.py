@@ -421,7 +421,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: to
     [B or 1, 1, T, D]); q, k and v returned as [B, H, T, D] views. `cache` = (k_cache, v_cache [slots, Hkv,
     capacity, D], slots [B], positions [B, T]): the rotated k and v are written into each sequence's cache
     row at its positions (inference) and returned as None. The triton backend does all of it in one
-    kernel: the norm and rope kernels' arithmetic (`kernels.rows`)."""
+    kernel: the norm and rope kernels' arithmetic (`kernels.qk_norm_rope`)."""
     backend = resolve_backend(backend)
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
         raise ValueError(f"qk_norm_rope shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -431,15 +431,15 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: to
     if cache is not None and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         raise ValueError("qk_norm_rope into a KV cache is for inference: it has no backward")
     if backend == "triton":
-        from .kernels import rows
+        from .kernels import qk_norm_rope as kernel
 
         _check_triton_device(q, "q")
         if d & (d - 1) or d < 16:
             raise ValueError(f"the Triton qk_norm_rope needs a power-of-two head_dim >= 16, got {d}")
         if cache is not None:
-            qo, _, qn, kn, _, _ = rows.qk_norm_rope_forward(q, k, v, q_weight, k_weight, eps, cos, sin, cache, norm_out)
+            qo, _, qn, kn, _, _ = kernel.qk_norm_rope_forward(q, k, v, q_weight, k_weight, eps, cos, sin, cache, norm_out)
             return QKHeads(qo, None, None, qn, kn)
-        out = rows.QKNormRopeFunction.apply(q, k, q_weight, k_weight, float(eps), cos, sin, norm_out)
+        out = kernel.QKNormRopeFunction.apply(q, k, q_weight, k_weight, float(eps), cos, sin, norm_out)
         return QKHeads(out[0], out[1], v.transpose(1, 2), *(out[2:] if norm_out else (None, None)))
     qn, kn = reference.rms_norm(q, q_weight, eps), reference.rms_norm(k, k_weight, eps)
     qr, kr = reference.rope(qn.transpose(1, 2), cos, sin), reference.rope(kn.transpose(1, 2), cos, sin)
