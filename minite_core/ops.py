@@ -319,7 +319,7 @@ def _with_nvfp4(out, shape, quantize: bool):
     """A row op's Function result -> y, or (y, its NVFP4Tensor) with `quantize`."""
     if not quantize:
         return out
-    from .kernels.rows import as_nvfp4
+    from .kernels.quantize import as_nvfp4
 
     return out[0], as_nvfp4(out[1:], tuple(shape))
 
@@ -332,7 +332,8 @@ def _rms_norm(x, delta, weight, eps: float, backend: str | None, quantize: bool)
     if quantize:
         _check_quantizable(x, "rms_norm")
     if backend == "triton":
-        from .kernels.rows import RMSNormFunction, as_nvfp4
+        from .kernels.quantize import as_nvfp4
+        from .kernels.rows import RMSNormFunction
 
         _check_triton_device(x, "x")
         if weight.device != x.device:

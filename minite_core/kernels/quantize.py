@@ -114,20 +114,33 @@ def _quantize_kernel(
             tl.store(scale_ptr + row * stride_scale + k0 // 16 + blk, s_code, mask=(k0 // 16 + blk) < K // 16)
 
 
+def nvfp4_buffers(r: int, k: int, device, row_scales: bool = True) -> tuple:
+    """Empty packed bytes [r, k/2], E4M3 scale bytes [r, k/16] and per-row global scales [r] (fp32; None
+    without `row_scales`) for r rows of k values: what the quantize kernels write (`as_nvfp4` wraps them)."""
+    return (torch.empty(r, k // 2, dtype=torch.uint8, device=device),
+            torch.empty(r, k // BLOCK, dtype=torch.uint8, device=device),
+            torch.empty(r, dtype=torch.float32, device=device) if row_scales else None)
+
+
+def as_nvfp4(parts: tuple, shape: tuple, global_scale: torch.Tensor | None = None) -> NVFP4Tensor:
+    """(packed, scale bytes, per-row global scales) of the rows of a tensor of `shape` -> its NVFP4Tensor;
+    `global_scale`: a given one instead of the per-row scales."""
+    data, scale, gs = parts
+    lead, k = tuple(shape[:-1]), shape[-1]
+    return NVFP4Tensor(data.reshape(lead + (k // 2,)), scale.view(torch.float8_e4m3fn).reshape(lead + (k // BLOCK,)),
+                       gs.reshape(lead + (1,)) if global_scale is None else global_scale, tuple(shape))
+
+
 def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None) -> NVFP4Tensor:
     """Quantize x [..., K] with per-row global scales (global_scale None) or a given scalar/[.., 1] one."""
-    shape = x.shape
-    k = shape[-1]
+    k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         raise ValueError("x must have a contiguous last dimension for the Triton quantize kernel")
     r = x2.shape[0]
-    data = torch.empty(r, k // 2, dtype=torch.uint8, device=x.device)
-    scale = torch.empty(r, k // BLOCK, dtype=torch.uint8, device=x.device)
-    if global_scale is None:
-        gs = torch.empty(r, dtype=torch.float32, device=x.device)
-        stride_gs = 1
-    else:
+    data, scale, gs = nvfp4_buffers(r, k, x.device, row_scales=global_scale is None)
+    stride_gs = 1
+    if global_scale is not None:
         gs = global_scale.reshape(-1).contiguous()
         stride_gs = 0 if gs.numel() == 1 else 1
     nb = min(64, triton.next_power_of_2(k // BLOCK))
@@ -136,10 +149,7 @@ def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None) -> NVFP4
             x2, data, scale, gs, k, x2.stride(0), data.stride(0), scale.stride(0), stride_gs,
             ROW_GS=global_scale is None, NB=nb, EVEN_K=k % (nb * BLOCK) == 0, num_warps=4,
         )
-    lead = tuple(shape[:-1])
-    out_gs = gs.reshape(lead + (1,)) if global_scale is None else global_scale
-    return NVFP4Tensor(data.reshape(lead + (k // 2,)), scale.view(torch.float8_e4m3fn).reshape(lead + (k // BLOCK,)),
-                       out_gs, shape)
+    return as_nvfp4((data, scale, gs), tuple(x.shape), global_scale)
 
 
 @triton.jit

@@ -53,9 +53,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..nvfp4 import BLOCK as QBLOCK, NVFP4Tensor
+from ..nvfp4 import BLOCK as QBLOCK
 from .gemm import interpreting
-from .quantize import quantize_blocks, row_global_scale
+from .quantize import nvfp4_buffers, quantize_blocks, row_global_scale
 
 
 @triton.jit
@@ -125,21 +125,6 @@ def quantize_rows(v, rows64, row_ok, N, Q, QS, QGS, ROWS: tl.constexpr, BLOCK: t
              mask=row_ok[:, None] & (c16 < N // 16)[None, :])
 
 
-def _nvfp4_out(r: int, n: int, device):
-    """Empty packed bytes, scale bytes and per-row global scales for r rows of n values."""
-    return (torch.empty(r, n // 2, dtype=torch.uint8, device=device),
-            torch.empty(r, n // QBLOCK, dtype=torch.uint8, device=device),
-            torch.empty(r, dtype=torch.float32, device=device))
-
-
-def as_nvfp4(q: tuple, shape: tuple) -> NVFP4Tensor:
-    """(packed, scale bytes, global scales) of the rows of a tensor of `shape` -> its NVFP4Tensor."""
-    data, scale, gs = q
-    lead, n = tuple(shape[:-1]), shape[-1]
-    return NVFP4Tensor(data.reshape(lead + (n // 2,)), scale.view(torch.float8_e4m3fn).reshape(lead + (n // QBLOCK,)),
-                       gs.reshape(lead + (1,)), tuple(shape))
-
-
 @triton.jit
 def _rms_norm_bwd_kernel(X, W, G, RSTD, DX, DW, R, N, sx, sg, sdx, nf, TILES,
                          ROWS: tl.constexpr, BLOCK: tl.constexpr):
@@ -190,7 +175,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize
     w = weight.contiguous()
     y = torch.empty(r, n, device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
     rstd = torch.empty(r, device=x.device, dtype=torch.float32)
-    q = _nvfp4_out(r, n, x.device) if quantize else None
+    q = nvfp4_buffers(r, n, x.device) if quantize else None
     d2 = _rows2d(delta) if delta is not None else None
     xs = torch.empty(r, n, device=x.device, dtype=x.dtype) if delta is not None else None
     if r and n:
@@ -343,7 +328,7 @@ def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, quantize: bool = Fals
         return out
     n = gate.shape[-1]
     r = gate.numel() // n if n else 0
-    q = _nvfp4_out(r, n, gate.device)
+    q = nvfp4_buffers(r, n, gate.device)
     if r and n:
         nb = min(16 if interpreting() else 64, triton.next_power_of_2(n // QBLOCK))
         _silu_mul_quantize_kernel[(r,)](gate, up, out, *q, n, NB=nb, EVEN=n % (nb * QBLOCK) == 0, num_warps=4)
