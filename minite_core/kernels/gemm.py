@@ -477,8 +477,7 @@ def gemm_many_triton(x, ws: list, biases: list, out_dtype: torch.dtype) -> list[
     """[x @ w.T (+ b) for w, b in zip(ws, biases)], each [M, N_w] in `out_dtype`, with the bits of
     `gemm_triton(x, w, b)` for each weight, in as few launches as the weights allow: consecutive weights
     with the same tile config (the same K chunks, so the same reduction order) and bias presence, up to
-    MAX_SEGMENTS of them, share one launch (and one combine); each program still computes a tile of one
-    weight. A decode step's q/k/v (or gate/up) projections take one launch instead of three (two), and
+    MAX_SEGMENTS of them, share one launch; each program still computes a tile of one weight. A decode step's q/k/v (or gate/up) projections take one launch instead of three (two), and
     an activation decoded for the wide tiles is decoded once for all of them."""
     fp4 = isinstance(ws[0], NVFP4Tensor)
     m, k = x.shape
@@ -519,8 +518,9 @@ def _layout(w) -> tuple:
 
 
 def _launch(x, xd, segs: list, cfg: dict, fp4: bool):
-    """One launch (and one combine, for split K chunks) over up to three (w, bias, out) of one config;
-    returns the GEMM kernel's compiled handle (bench/gemm_probe.py reads its registers and SASS)."""
+    """One launch over up to three (w, bias, out) of one config (and, for split K chunks with
+    COMBINE_IN_KERNEL off, the combine kernel's); returns the GEMM kernel's compiled handle
+    (bench/gemm_probe.py reads its registers and SASS)."""
     m, k = x.shape
     cfg = dict(cfg)
     cfg.setdefault("SWAP_AB", False)
@@ -580,19 +580,19 @@ def _launch(x, xd, segs: list, cfg: dict, fp4: bool):
     return kernel
 
 
-_COUNTERS: dict = {}
+_COUNTERS: dict = {}  # (device, stream) -> the counter buffers, newest last (older ones kept alive)
 
 
 def tile_counters(device: torch.device, n: int) -> torch.Tensor:
     """int32 [>= n] zeros: the split launches' per-tile arrival counters. A launch's last program of a tile
     resets its counter, so the buffer is all zeros between launches; launches on one stream run one after
-    another, so each (device, stream) has its own buffer (allocated once, grown when a launch needs more)."""
+    another, so each (device, stream) has its own buffer. A launch that needs more counters gets a larger
+    buffer; the smaller ones are never freed, because a captured CUDA graph may still address them."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    buf = _COUNTERS.get((device, stream))
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[(device, stream)] = buf
-    return buf
+    bufs = _COUNTERS.setdefault((device, stream), [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 def _tile_bounds(ns: list, block_n: int) -> tuple[int, int, int]:

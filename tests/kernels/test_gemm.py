@@ -99,3 +99,12 @@ def test_empty_rows_and_empty_weights():
     assert torch.equal(outs[2], gemm.gemm_triton(xq, ws[2], None, torch.float32))
     empty = nvfp4.NVFP4Tensor(xq.data[:0], xq.scale[:0], xq.global_scale[:0], (0, K))
     assert [o.shape for o in gemm.gemm_many_triton(empty, ws, [None] * 3, torch.float32)] == [(0, n) for n in (WIDTHS[1], 0, WIDTHS[2])]
+
+
+def test_tile_counters_grow_without_freeing_what_a_graph_may_address():
+    dev = torch.device(DEVICE)
+    small = gemm.tile_counters(dev, 1)
+    big = gemm.tile_counters(dev, small.numel() + 1)
+    assert big.numel() > small.numel() and not big.any()
+    assert gemm.tile_counters(dev, 1) is big  # the newest serves every later launch
+    assert any(b is small for bufs in gemm._COUNTERS.values() for b in bufs)  # the old one stays allocated
