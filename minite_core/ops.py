@@ -426,9 +426,19 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: to
     backend = resolve_backend(backend)
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
         raise ValueError(f"qk_norm_rope shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    d = q.shape[-1]
+    b, t, hkv, d = k.shape
     if q_weight.shape != (d,) or k_weight.shape != (d,):
         raise ValueError(f"q/k norm weights must have shape ({d},), got {tuple(q_weight.shape)}, {tuple(k_weight.shape)}")
+    for name, c in (("cos", cos), ("sin", sin)):
+        if c.dim() != 4 or c.shape[0] not in (1, b) or tuple(c.shape[1:]) != (1, t, d):
+            raise ValueError(f"qk_norm_rope {name} has shape {tuple(c.shape)}, expected ({b}, 1, {t}, {d})")
+    if cache is not None:
+        k_cache, v_cache, slots, positions = cache
+        if (k_cache.dim() != 4 or k_cache.shape != v_cache.shape or tuple(k_cache.shape[1::2]) != (hkv, d)
+                or tuple(slots.shape) != (b,) or tuple(positions.shape) != (b, t)):
+            raise ValueError(f"qk_norm_rope cache: k/v caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} must be "
+                             f"[slots, {hkv}, capacity, {d}], slots {tuple(slots.shape)} [{b}], positions "
+                             f"{tuple(positions.shape)} [{b}, {t}] (values in range: the caller's, as for attention's kv_rows)")
     if cache is not None and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         raise ValueError("qk_norm_rope into a KV cache is for inference: it has no backward")
     if backend == "triton":

@@ -294,6 +294,13 @@ def test_linears_bad_input_is_named():
         ops.linears(x, [w["bf16"], w["bf16"]], [None])
     with pytest.raises(ValueError, match=r"ws\[1\]"):
         ops.linears(x, [w["bf16"], _weights(24, 32)["bf16"]])
+    xq = ops.quantize(x)
+    with pytest.raises(ValueError, match="xq must be the per-row NVFP4Tensor of x"):
+        ops.linears(x[:2], [w["nvfp4-tensor"]], xq=xq)
+    with pytest.raises(ValueError, match="xq is the per-row NVFP4 activation of NVFP4 weights"):
+        ops.linears(x, [w["bf16"]], xq=xq)
+    with pytest.raises(ValueError, match="xq must be the per-row"):
+        ops.linears(x, [w["nvfp4-tensor"]], xq=ops.quantize(x, scale_mode="tensor"))
 
 
 # ------------------------------------------------------------------------------------------------ autograd

@@ -94,3 +94,16 @@ def test_qk_norm_rope_gradient_is_the_norm_and_rope_gradient(device):
         kc = torch.zeros(2, 2, 12, 16, device=device)
         ops.qk_norm_rope(leaves[0], leaves[1], v.float(), leaves[2], leaves[3], 1e-6, cos.float(), sin.float(),
                          backend="triton", cache=(kc, kc.clone(), torch.tensor([0, 1], device=device), pos))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_qk_norm_rope_refuses_shapes_it_would_read_past(device, backend):
+    q, k, v, wq, wk, pos, cos, sin = _heads_case(device, seed=90)
+    kc = torch.zeros(4, 2, 12, 16, device=device, dtype=torch.bfloat16)
+    slots = torch.tensor([0, 1], device=device)
+    bad = [dict(cos=cos[..., :8]), dict(sin=sin[:, :, :2]), dict(cache=(kc[:, :1], kc[:, :1], slots, pos)),
+           dict(cache=(kc, kc, slots[:1], pos)), dict(cache=(kc, kc, slots, pos[:, :2]))]
+    for change in bad:
+        args = dict(cos=cos, sin=sin, cache=None) | change
+        with pytest.raises(ValueError, match="qk_norm_rope"):
+            ops.qk_norm_rope(q, k, v, wq, wk, 1e-6, args["cos"], args["sin"], backend=backend, cache=args["cache"])
