@@ -51,7 +51,12 @@ def sampling_params(p: pb.SamplingParams) -> SamplingParams:
         temperature=p.temperature if p.HasField("temperature") else 1.0,
         top_p=p.top_p if p.HasField("top_p") else 1.0,
         top_k=p.top_k, seed=p.seed if p.HasField("seed") else None,
-        stop_token_ids=tuple(p.stop_token_ids), n=p.n or 1)
+        stop_token_ids=tuple(p.stop_token_ids), n=p.n or 1, logprobs=p.top_logprobs)
+
+
+def top_logprobs(alternatives) -> pb.TopLogprobs:
+    """[(token id, logprob), ...] of one position (the engine's `top`, most likely first) as the message."""
+    return pb.TopLogprobs(token_ids=[t for t, _ in alternatives], logprobs=[lp for _, lp in alternatives])
 
 
 MODES = set(pb.UpdateMode.values())
@@ -116,7 +121,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self.rt.metrics.requests.labels("grpc", "ok").inc()
         choices = [pb.Choice(index=c.sample_index, token_ids=c.token_ids, logprobs=c.logprobs.tolist(),
                              finish_reason=c.finish_reason, weight_version=c.weight_version,
-                             text=self._text(c.token_ids)) for c in req.completions()]
+                             text=self._text(c.token_ids), top_logprobs=[top_logprobs(a) for a in c.top_logprobs or ()])
+                   for c in req.completions()]
         return pb.GenerateResponse(prompt_ids=req.prompt, choices=choices, weight_version=req.version,
                                    model=self.rt.settings.model_name)
 
@@ -126,6 +132,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         remaining = _remaining(context)
         deadline = None if remaining is None else time.monotonic() + remaining
         ended: set[int] = set()
+        sent = [0] * len(req.seqs)  # tokens streamed per sample: the index of its next alternatives
         while True:
             try:
                 ev = events.get(timeout=None if deadline is None else max(deadline - time.monotonic(), 0.0))
@@ -137,8 +144,11 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             i, tok, lp, finish = ev
             if finish:
                 ended.add(i)
+            # (the engine appends a token's alternatives before it reports the token)
+            top = top_logprobs(req.seqs[i].top[sent[i]]) if req.params.logprobs else None
+            sent[i] += 1
             yield pb.GenerateStreamResponse(index=i, token_id=tok, logprob=lp, finish_reason=finish or "",
-                                            weight_version=req.version, text=self._text([tok]))
+                                            weight_version=req.version, text=self._text([tok]), top_logprobs=top)
         for q in req.seqs:  # samples that ended without a token of their own (aborted): say so, token unset
             if q.sample_index not in ended:
                 yield pb.GenerateStreamResponse(index=q.sample_index, finish_reason=q.finish or "abort",

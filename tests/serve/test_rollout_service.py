@@ -73,6 +73,33 @@ def test_stream_matches_unary(stub):
         assert finish[c.index] == c.finish_reason
 
 
+def test_top_logprobs_are_the_learners_and_streamed_alike(service_model, stub):
+    req = gen_request(n=2, seed=5, temperature=0.7, top_logprobs=4)
+    unary = stub.Generate(req, timeout=60)
+    learner = learner_on(service_model)
+    for c in unary.choices:
+        toks = list(c.token_ids)
+        assert len(c.top_logprobs) == len(toks) > 0
+        for k, top in enumerate(c.top_logprobs):
+            alts, lps = list(top.token_ids), list(top.logprobs)
+            assert len(alts) == len(set(alts)) == 4 and lps == sorted(lps, reverse=True)
+            assert lps[0] >= c.logprobs[k]  # nothing is likelier than the most likely
+            if toks[k] in alts:
+                assert lps[alts.index(toks[k])] == c.logprobs[k]
+            for alt, lp in zip(alts, lps):  # each one is the learner's logprob of that token, bit for bit
+                mine = learner.logprobs(PROMPT + toks[:k], [alt], 0.7)
+                assert torch.equal(torch.tensor([lp], dtype=torch.float32), mine)
+    streamed = {c.index: [] for c in unary.choices}
+    for ev in stub.GenerateStream(req, timeout=60):
+        if ev.HasField("token_id"):
+            assert ev.HasField("top_logprobs")
+            streamed[ev.index].append(ev.top_logprobs)
+    for c in unary.choices:
+        assert streamed[c.index] == list(c.top_logprobs)
+    plain = stub.Generate(gen_request(n=1, seed=5), timeout=60)  # not asked for: none sent
+    assert all(len(c.top_logprobs) == 0 for c in plain.choices)
+
+
 def test_text_prompt_and_rest_equal_grpc(svc, stub):
     url = svc[2]
     g = stub.Generate(pb.GenerateRequest(text="<bos>12+34=", params=pb.SamplingParams(max_tokens=5, seed=3, n=2)), timeout=60)
@@ -204,6 +231,7 @@ def test_rest_nan_temperature(svc):
     (gen_request(prompt=[200]), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
     (gen_request(temperature=float("nan")), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
     (gen_request(n=10**6), grpc.StatusCode.INVALID_ARGUMENT, "n must"),
+    (gen_request(top_logprobs=21), grpc.StatusCode.INVALID_ARGUMENT, "logprobs"),
     (pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=PROMPT), model="other"), grpc.StatusCode.NOT_FOUND, "unknown model"),
 ])
 def test_grpc_bad_input(stub, req, code, words):
