@@ -231,6 +231,10 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def stream(self) -> TextStream:
+        """A `TextStream`: the text of a growing completion, one token at a time."""
+        return TextStream(self._tok)
+
     def token_bytes(self, i: int) -> bytes:
         """The bytes token i stands for (OpenAI's logprobs `bytes`): a byte-level BPE token's characters mapped
         back through GPT-2's byte table, a byte-fallback token <0xAB> its byte, else its decoded text."""
@@ -283,3 +287,25 @@ class Tokenizer:
     def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
         """The rendered chat's token ids (encoded without adding special tokens, as transformers)."""
         return self.encode(self.render_chat(messages, add_generation_prompt=add_generation_prompt, **template_kwargs))
+
+
+class TextStream:
+    """The decoded text of a completion that grows token by token, at a bounded cost per token
+    (`tokenizers.decoders.DecodeStream`: it decodes a small window, not the whole prefix, so following a
+    completion of n tokens costs O(n), where decoding every prefix costs O(n^2)).
+
+    `text` equals `Tokenizer.decode(ids)` of the tokens pushed so far (special tokens skipped), except that a
+    trailing character whose UTF-8 bytes are not all there yet is held back until they are (decode shows it
+    as U+FFFD). Use `decode` on the whole sequence for the final text."""
+
+    def __init__(self, tok):
+        from tokenizers.decoders import DecodeStream
+
+        self._tok, self._stream = tok, DecodeStream(skip_special_tokens=True)
+        self.text = ""
+
+    def push(self, token_id: int) -> str:
+        """Add one token; returns the text it completes ("" while a character is incomplete)."""
+        piece = self._stream.step(self._tok, int(token_id)) or ""
+        self.text += piece
+        return piece

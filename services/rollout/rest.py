@@ -370,11 +370,14 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
         return list(rt.tokenizer.token_bytes(tok)) if rt.tokenizer is not None else []
 
     def offsets(ids, start: int = 0) -> list[int]:
-        """text_offset: where each token's text begins in the decoded text (from `start`)."""
-        out, text = [], ""
-        for k in range(len(ids)):
-            out.append(start + len(text))
-            text = text_of(ids[: k + 1])
+        """text_offset: where each token's text begins in the decoded text (from `start`); a token that ends
+        inside a character begins where that character does."""
+        if rt.tokenizer is None:
+            return [start] * len(ids)
+        out, text = [], rt.tokenizer.stream()
+        for t in ids:
+            out.append(start + len(text.text))
+            text.push(t)
         return out
 
     def check(body: _Sampling) -> None:
@@ -465,6 +468,7 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
         seqs = {k * n + q.sample_index: (req, q) for k, req in enumerate(reqs) for q in req.seqs}
         sent = {c: "" for c in seqs}  # text streamed so far per choice
         toks: dict[int, list[int]] = {c: [] for c in seqs}
+        streams = {c: rt.tokenizer.stream() for c in seqs} if rt.tokenizer is not None else None  # text per choice
         ended: set[int] = set()
         open_reqs = set(range(len(reqs)))
         want_lp = (body.logprobs is not None) if kind == "cmpl" else bool(body.logprobs)
@@ -486,7 +490,10 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
                 toks[c].append(tok)
                 # the text so far, cut at a stop string; unfinished, less what may still change (held_back):
                 # the delta is what was not streamed yet, so the streamed text is the non-streamed text
-                text = trim(text_of(toks[c]), stops)
+                # (followed token by token; the last token's text is the whole decode, as the unary answer's)
+                if streams is not None:
+                    streams[c].push(tok)
+                text = trim(text_of(toks[c]) if finish else (streams[c].text if streams else ""), stops)
                 if not finish:
                     text = held_back(text, stops)
                 delta = text[len(sent[c]):] if text.startswith(sent[c]) else ""

@@ -127,10 +127,12 @@ class RolloutRuntime:
                 m.itl.observe(now - state["last"][i])
             state["last"][i] = now
             if stop and not finish:  # text stop strings: end the sequence once its text contains one
-                seq = req.seqs[i]
-                text = self.tokenizer.decode(seq.tokens)
-                if any(s_ in text for s_ in stop):
-                    finish = "stop"
+                if i not in state["text"]:  # each sample's text, followed token by token
+                    state["text"][i] = self.tokenizer.stream()
+                text = state["text"][i]
+                before = len(text.text)
+                if text.push(tok) and any(s_ in text.text[max(0, before - len(s_) + 1):] for s_ in stop):
+                    finish = "stop"  # (only a match that ends in the new text is new)
                     self.engine.finish(req, i, "stop")
             if on_token is not None:
                 on_token(i, tok, lp, finish)

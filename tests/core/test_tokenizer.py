@@ -101,6 +101,30 @@ def test_encode_decode_equal_transformers(pair, text):
     assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)  # the special tokens dropped
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_text_stream_follows_decode(pair, seed):
+    """TextStream's text after each token is decode() of the tokens so far, less a trailing incomplete
+    character: on real text (multi-byte characters split over tokens, special tokens) and on random ids
+    (invalid UTF-8, ids past the tokenizer's vocabulary, as a model with a padded vocabulary can sample)."""
+    import random
+
+    ours, _ = pair
+    rng = random.Random(seed)
+    text_ids = ours.encode("".join(TEXTS) + "été 数学 🙂 答案", add_special_tokens=False)
+    ids = text_ids if seed == 0 else [rng.randrange(ours.vocab_size + 8) for _ in range(200)]
+    stream, pieces = ours.stream(), []
+    for k, t in enumerate(ids):
+        pieces.append(stream.push(t))
+        full = ours.decode(ids[: k + 1])
+        assert stream.text == "".join(pieces)
+        if full.endswith("\ufffd"):  # held back: a prefix of the decode
+            assert full.startswith(stream.text) and len(stream.text) < len(full)
+        else:
+            assert stream.text == full
+    if seed == 0:
+        assert stream.text == ours.decode(text_ids) and any(p == "" for p in pieces)  # some character was split
+
+
 def test_vocabulary(pair):
     ours, hf = pair
     assert ours.get_vocab() == hf.get_vocab() and ours.vocab_size == len(hf)
