@@ -129,25 +129,20 @@ def read_calibration(file, vocab_size: int) -> list[list[int]]:
 def calibrate(model, sequences: list[list[int]]) -> dict[str, float]:
     """{linear module name: the largest |input| it sees} over `sequences`, run through `model`."""
     amax: dict[str, float] = defaultdict(float)
-    linears = model.linears
 
-    def observe(x, *names, xq=None):  # every linear's input passes here (experts: the tokens routed to them)
+    def observe(x, names):  # every linear's input (experts: the tokens routed to them)
         if x.numel():
             a = float(x.abs().amax())
             for name in names:
                 amax[name] = max(amax[name], a)
-        return linears(x, *names, xq=xq)
 
     by_len = defaultdict(list)
     for s in sequences:
         by_len[len(s)].append(s)
-    model.linears = observe
-    try:
+    with model.observing_inputs(observe):
         for group in by_len.values():
             for i in range(0, len(group), _BATCH):
                 model.forward(torch.tensor(group[i:i + _BATCH], device=model.device))
-    finally:
-        del model.linears
     return dict(amax)
 
 

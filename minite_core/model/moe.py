@@ -29,10 +29,11 @@ _MAX_CACHED = 3  # weight sets whose stacks are kept (the serving version, a dra
 
 def usable(model, p: str) -> bool:
     """Can layer `p` take the grouped path: Triton backend, NVFP4 experts, per-row activation scales,
-    no gradients wanted."""
+    no gradients wanted, no input observer (`Qwen3.observing_inputs` sees the per-expert linears)."""
     w = model.w.get(p + "experts.0.gate_proj.weight")
     return (model.backend == "triton" and isinstance(w, NVFP4Tensor) and model.knobs.act_scale == "row"
-            and model.masters is None and not torch.is_grad_enabled() and model.knobs.matmul != "library")
+            and model.masters is None and not torch.is_grad_enabled() and model.knobs.matmul != "library"
+            and model._observer is None)
 
 
 def _experts(weights: dict, p: str, e: int, proj: str) -> list:

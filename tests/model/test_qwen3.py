@@ -61,6 +61,35 @@ def test_logits_are_batch_invariant(dense_dir, moe_dir, moe, precision):
     assert torch.equal(model.logits(ids[:, :7]), full[:, :7])  # causal: a prefix gives the prefix's rows
 
 
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_observing_inputs_sees_every_linear_once(dense_dir, moe_dir, moe):
+    model = load_model(moe_dir if moe else dense_dir, precision="bf16")
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(4))
+    seen, captured = [], {}
+    with model.observing_inputs(lambda x, names: seen.append((names, x.clone()))):
+        model.forward(ids, capture=lambda name, v: captured.setdefault(name, v.clone()))
+    calls = {names: x for names, x in seen}
+    assert len(calls) == len(seen)  # once each per forward
+    cfg = model.cfg
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        qkv = tuple(p + f"self_attn.{z}_proj" for z in "qkv")
+        assert torch.equal(calls[qkv], captured[f"layers.{i}.input_norm"])  # one call for q/k/v
+        assert torch.equal(calls[(p + "self_attn.o_proj",)], captured[f"layers.{i}.attention"])
+        if cfg.is_moe_layer(i):  # every expert sees the tokens routed to it: top-k rows per token in all
+            rows = sum(x.shape[0] for names, x in seen if names[0].startswith(p + "mlp.experts.")
+                       and names[0].endswith("gate_proj"))
+            assert rows == ids.numel() * cfg.num_experts_per_tok
+        else:
+            assert torch.equal(calls[(p + "mlp.gate_proj", p + "mlp.up_proj")], captured[f"layers.{i}.post_norm"])
+            assert (p + "mlp.down_proj",) in calls
+    head = "model.embed_tokens" if cfg.tie_word_embeddings else "lm_head"
+    assert torch.equal(calls[(head,)], captured["final_norm"])
+    before = len(seen)
+    model.forward(ids)  # outside the block nothing is observed
+    assert len(seen) == before
+
+
 def test_nvfp4_quantizes_the_linear_layers_only(dense_dir):
     model = load_model(dense_dir, precision="nvfp4", keep_bf16=[-1])
     from minite_core.nvfp4 import NVFP4Tensor
