@@ -161,6 +161,17 @@ def probe_sm90(out: Path) -> list[dict]:
                         f"{'swap' if cfg['SWAP_AB'] else 'wide'}{'_decoded' if cfg['DECODED'] else ''}"
                         f"{f'_{nseg}weights' if nseg > 1 else ''}_w{cfg['num_warps']}s{cfg['num_stages']}")
                 cases.append((name, gemm_mod._gemm_kernel, const, cfg, (), m))
+    # the plain bf16 GEMM (BF16 models' linears, every model's lm_head): swapped at decode, 128x128 above
+    plain_ptrs = dict(_PTRS, a_ptr="*bf16", as_ptr="*bf16", ags_ptr="*bf16",
+                      **{f"{a}{i}": "*bf16" for i in range(3) for a in ("b", "bs", "bgs")})
+    for m in (16, 64, 4096):
+        cfg = _gpu_config(m, 151936, 1024, fp4=False)
+        const = dict(FP4=False, DOT_FP32=False, DOT_BY_SUM=False, EVEN_K=True, HAS_BIAS=False, SWAP_AB=cfg["SWAP_AB"],
+                     BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+                     CHUNKED=False, SPLIT=False, DECODED=False, NSEG=1, FIXUP=False)
+        name = (f"plain_bf16_151936x1024_M{m}_{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}_"
+                f"{'swap' if cfg['SWAP_AB'] else 'wide'}_w{cfg['num_warps']}s{cfg['num_stages']}")
+        cases.append((name, gemm_mod._gemm_kernel, const, cfg, (), m, plain_ptrs))
     cfg = dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=16, num_warps=4, num_stages=1)
     for nseg in (1, 3):
         cases.append((f"combine_32x128_{nseg}weights", gemm_mod._combine_kernel,
@@ -214,11 +225,11 @@ def probe_sm90(out: Path) -> list[dict]:
     return rows
 
 
-def _gpu_config(m, n, k):
+def _gpu_config(m, n, k, fp4=True):
     """gemm_config as on the GPU (this script may be imported with TRITON_INTERPRET set elsewhere)."""
     saved = os.environ.pop("TRITON_INTERPRET", None)
     try:
-        return gemm_mod.gemm_config(m, n, k, True)
+        return gemm_mod.gemm_config(m, n, k, fp4)
     finally:
         if saved is not None:
             os.environ["TRITON_INTERPRET"] = saved

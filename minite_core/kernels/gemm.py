@@ -15,6 +15,8 @@ Tiles by M (`gemm_config`): M <= 128 takes swapped narrow tiles, the weight tile
 operand (wgmma M = 64 rows of w per warpgroup, from registers) and the activations as its N, BLOCK_M =
 16, 32, 64 or 128 (the narrowest power of two >= M); larger M takes 128x256 / 128x128 tiles with x as
 the first operand. BLOCK_K (128 on the GPU) is one constant for every M, and there is no autotuning.
+The plain GEMM has the same two families (BLOCK_K = 64, one chain over K, no chunks): swapped narrow
+tiles for M <= 128 (a decode step's bf16 linears and lm_head), 128x128 above.
 
 K chunks (`k_chunks(N, K)`, a function of (N, K) only): the K loop is cut into S chunks of equal step
 count (S a power of two dividing cdiv(K, BLOCK_K); S > 1 where N alone gives too few programs to fill
@@ -314,8 +316,9 @@ def _gemm_kernel(
             acc = w4a4_epilogue(acc, ags_ptr, stride_ags, _pick(seg, bgs0, bgs1, bgs2, NSEG), _pick(seg, sg0, sg1, sg2, NSEG),
                                 offs_m, mask_m, offs_n, mask_n)
             _store_out(acc, bias_ptr, c_ptr, N, offs_m, mask_m, offs_n, mask_n, HAS_BIAS)
-    else:
+    else:  # plain: one chain over K in BLOCK_K steps; SWAP_AB (M <= 128): w is the MMA's first operand
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + tl.arange(0, BLOCK_K)
             k_ok = kk < K
@@ -323,11 +326,21 @@ def _gemm_kernel(
             b = tl.load(b_ptr + offs_n[:, None] * stride_bn + kk[None, :], mask=mask_n[:, None] & k_ok[None, :], other=0.0)
             if DOT_BY_SUM:
                 # interpreter only: numpy's fp32 matmul (BLAS) is not row-position invariant
-                acc += tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], axis=2)
+                if SWAP_AB:
+                    acc_t += tl.sum(b.to(tl.float32)[:, None, :] * a.to(tl.float32)[None, :, :], axis=2)
+                else:
+                    acc += tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], axis=2)
             elif DOT_FP32:
-                acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+                if SWAP_AB:
+                    acc_t = tl.dot(b.to(tl.float32), tl.trans(a.to(tl.float32)), acc_t, input_precision="ieee")
+                else:
+                    acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+            elif SWAP_AB:
+                acc_t = tl.dot(b, tl.trans(a), acc_t)
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
+        if SWAP_AB:
+            acc = tl.trans(acc_t)
         _store_out(acc, bias_ptr, c_ptr, N, offs_m, mask_m, offs_n, mask_n, HAS_BIAS)
 
 
@@ -377,6 +390,10 @@ def decode_nvfp4(t: NVFP4Tensor, block_k: int) -> torch.Tensor:
 # row's bits do not depend on which one ran (see the module docstring; tests/core/test_ops.py and
 # bench/gemm.py check it). SMALL_M_TILES = False falls back to the wide tiles for every M.
 SMALL_M_TILES = True
+# The plain (bf16/fp16/fp32) GEMM likewise: swapped narrow tiles for M <= SWAP_MAX_M (BLOCK_K = 64 and one
+# chain over K for every M, so the same bits), where 128x128 tiles did 8x the MMA work at M = 16 and gave
+# N = 1024 eight programs. False: 128x128 for every M.
+SMALL_M_PLAIN = True
 SWAP_MAX_M = 128
 SWAP_CONFIGS = {  # BLOCK_M (the swapped MMA's N) -> the rest of the tile; BLOCK_K is fixed below
     16: dict(BLOCK_N=64, num_warps=4, num_stages=4),
@@ -445,7 +462,8 @@ def _tile_config(m: int, n: int, k: int, fp4: bool) -> dict:
                 return dict(BLOCK_M=swap_block_m(m), BLOCK_N=32, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=1, SWAP_AB=True)
             return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64, GROUP_M=4, num_warps=4, num_stages=1, SWAP_AB=False,
                         DECODED=DECODE_WIDE)
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1, SWAP_AB=False)
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=1,
+                    SWAP_AB=SMALL_M_PLAIN and m <= SWAP_MAX_M)
     if fp4 and CONFIG_OVERRIDE:
         return dict(dict(SWAP_AB=False, GROUP_M=8), **CONFIG_OVERRIDE, BLOCK_K=FP4_BLOCK_K)
     if fp4:
@@ -457,6 +475,8 @@ def _tile_config(m: int, n: int, k: int, fp4: bool) -> dict:
         # 128x256 tiles for wide layers; 128x128 when N is small, so more programs fill the GPU
         return dict(BLOCK_M=128, BLOCK_N=256 if n >= 4096 else 128, BLOCK_K=FP4_BLOCK_K, GROUP_M=8, num_warps=8,
                     num_stages=3, SWAP_AB=False)
+    if SMALL_M_PLAIN and m <= SWAP_MAX_M:  # decode: the weight streams through narrow swapped tiles
+        return dict(BLOCK_M=swap_block_m(m), BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4, SWAP_AB=True)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, SWAP_AB=False)
 
 
