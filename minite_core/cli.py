@@ -104,7 +104,7 @@ def train(argv: list[str]) -> int:
     from .rl import distributed
     from .rl.config import RunConfig, parse
     from .rl.loop import run
-    from .rl.tiny import build_tiny_model
+    from .rl.tiny import install_tiny_model
 
     cfg = parse(RunConfig, argv, "minite train")
     try:
@@ -114,8 +114,7 @@ def train(argv: list[str]) -> int:
         if not cfg.builtin_model and not (model_dir / "config.json").exists():
             raise FileNotFoundError(f"{model_dir} has no config.json (leave out --model-dir to use the built-in model)")
         if lead and not (model_dir / "config.json").exists():
-            print(f"building the built-in tiny model in {model_dir} (supervised warm-up, about a minute)")
-            build_tiny_model(model_dir, seed=cfg.seed, moe=cfg.moe)
+            install_tiny_model(model_dir, seed=cfg.seed, moe=cfg.moe)
         if group is not None:
             group.barrier()
         history = run(cfg)
@@ -155,10 +154,14 @@ SERVICES = {  # subcommands with their own settings parser (pydantic-settings: f
 
 
 def _build_model(args) -> int:
-    from .rl.tiny import build_tiny_model
+    from .rl.tiny import build_tiny_model, install_tiny_model
 
-    build_tiny_model(args.out, seed=args.seed, moe=args.moe)
-    print(f"built the tiny model in {args.out}")
+    if args.rebuild or args.moe or args.seed != 0:
+        build_tiny_model(args.out, seed=args.seed, moe=args.moe)
+        print(f"built the tiny model in {args.out}")
+    else:
+        install_tiny_model(args.out)
+        print(f"copied the built-in tiny model (shipped, seed 0) to {args.out}; --rebuild runs its warm-up here")
     return 0
 
 
@@ -199,10 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     diag.add_argument("--slots", type=int, default=4)
     diag.add_argument("--seed", type=int, default=0)
     diag.add_argument("--out", default="runs/diagnose")
-    build = sub.add_parser("build-model", help="build the built-in tiny model (supervised warm-up, deterministic)")
+    build = sub.add_parser("build-model", help="the tiny model in --out: the shipped one (dense, seed 0), or built by "
+                                                 "its supervised warm-up (--rebuild, --moe, another --seed)")
     build.add_argument("--out", default="runs/tiny-model")
     build.add_argument("--moe", action="store_true")
     build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--rebuild", action="store_true", help="run the warm-up here even for the shipped model")
     args = ap.parse_args(argv)
     for name in ("m", "n", "k", "prompts", "max_tokens", "slots"):
         if getattr(args, name, 1) <= 0:

@@ -165,10 +165,9 @@ def up(s: UpSettings) -> int:
         if not s.builtin_model:
             print(f"minite up: error: {model_dir} has no config.json", file=sys.stderr)
             return 2
-        from minite_core.rl.tiny import build_tiny_model
+        from minite_core.rl.tiny import install_tiny_model
 
-        print(f"building the built-in tiny model in {model_dir} (supervised warm-up, about a minute)", flush=True)
-        build_tiny_model(model_dir, seed=s.seed, moe=s.moe)
+        install_tiny_model(model_dir, seed=s.seed, moe=s.moe, log=lambda *a: print(*a, flush=True))
     if not s.resume:
         shutil.rmtree(s.run_dir / "learner", ignore_errors=True)
     run_file = s.run_dir / "run.json"  # the learner's run: these settings, its own run directory

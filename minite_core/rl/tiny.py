@@ -10,12 +10,19 @@ The warm-up plateaus (loss ~0.8, accuracy ~0.1) until the model learns the carri
 few hundred steps; when that happens depends on the seed and on the CPU's float kernels (seed 0 on an
 AVX-512 AMD EPYC: step 1,350; seeds 1 and 2 there: 650 and 500), hence up to 2,000 steps. One to three
 minutes on 2 CPU cores.
+
+The dense model of seed 0 ships with the package (`SHIPPED`, `tiny_model/`: 200 KB, written by
+`minite build-model --rebuild --out minite_core/rl/tiny_model`; its warmup.json records the steps and accuracy), so
+the built-in model is the same file on every machine and a first run starts at once: `install_tiny_model`
+copies it (whatever the run's seed, which seeds the RL run). The MoE variant is built by the warm-up, here;
+`minite build-model --seed N` builds a dense one from another seed.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import random
+import shutil
 from pathlib import Path
 
 import torch
@@ -31,6 +38,22 @@ from .addition import BOS, EOS, PAD, SPECIALS, VOCAB, addition, addition_eval_ro
 TINY = Qwen3Config(vocab_size=len(VOCAB), hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=32)
 TINY_MOE = dataclasses.replace(TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=96, norm_topk_prob=True)
+
+
+SHIPPED = Path(__file__).parent / "tiny_model"  # the dense model of seed 0, built once by build_tiny_model
+
+
+def install_tiny_model(path, *, moe: bool = False, seed: int = 0, log=print) -> Path:
+    """The built-in tiny model in folder `path`: the shipped dense checkpoint copied there; the MoE variant
+    built by `build_tiny_model` with `seed` (it is not shipped)."""
+    path = Path(path)
+    if not moe:
+        path.mkdir(parents=True, exist_ok=True)
+        for f in SHIPPED.iterdir():
+            shutil.copy2(f, path / f.name)
+        return path
+    log(f"building the tiny MoE model in {path} (supervised warm-up, seed {seed}: a few minutes)")
+    return build_tiny_model(path, seed=seed, moe=True, log=log)
 
 
 def write_tokenizer(path) -> None:

@@ -9,15 +9,13 @@ import torch
 from minite_core.model import load_model
 from minite_core.rl.config import RunConfig
 from minite_core.rl.loop import run
-from minite_core.rl.tiny import build_tiny_model, greedy_accuracy
+from minite_core.rl.tiny import SHIPPED, build_tiny_model, greedy_accuracy, install_tiny_model
 from minite_core.rl.trainer import Trainer
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    build_tiny_model(path, log=lambda *a: None)
-    return path
+    return install_tiny_model(tmp_path_factory.mktemp("tiny"))  # the shipped checkpoint, as `minite train` uses it
 
 
 def _cfg(tiny, run_dir, **kw):
@@ -28,10 +26,25 @@ def _cfg(tiny, run_dir, **kw):
 
 
 def test_tiny_model_is_useful_but_imperfect(tiny):
+    assert sorted(f.name for f in tiny.iterdir()) == sorted(f.name for f in SHIPPED.iterdir())
     model = load_model(tiny, precision="nvfp4")
     assert model.tokenizer.vocab_size == model.cfg.vocab_size
     acc = greedy_accuracy(model, 2)
     assert 0.1 < acc < 0.9, acc
+
+
+def test_the_warm_up_learns(tmp_path):
+    """build_tiny_model (which wrote the shipped checkpoint): 50 steps take the answer tokens' loss well
+    below a uniform guess's, ln(vocabulary), and leave a checkpoint the engines load."""
+    import math
+
+    lines = []
+    path = build_tiny_model(tmp_path / "m", max_steps=50, target_accuracy=2.0, log=lines.append)
+    loss = float(lines[-1].split("loss ")[1].split(",")[0])
+    model = load_model(path, precision="nvfp4")
+    assert loss < math.log(model.cfg.vocab_size) - 0.5, lines
+    assert json.loads((path / "warmup.json").read_text())["steps"] == 50
+    assert 0.0 <= greedy_accuracy(model, 2) <= 1.0
 
 
 @pytest.mark.parametrize("backward", ["ste", "fp8"])
@@ -100,3 +113,14 @@ def test_bad_train_config(tiny, tmp_path):
         _cfg(tiny, tmp_path, num_generations=1)
     with pytest.raises(ValidationError, match="extra"):
         _cfg(tiny, tmp_path, num_generation=4)  # a misspelt key is refused, not ignored
+
+
+def test_build_model_cli_copies_the_shipped_model(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "minite_core.cli", "build-model", "--out", str(tmp_path / "m")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "shipped" in r.stdout, r.stderr
+    for f in SHIPPED.iterdir():
+        assert (tmp_path / "m" / f.name).read_bytes() == f.read_bytes()
