@@ -33,7 +33,7 @@ def usable(model, p: str) -> bool:
     w = model.w.get(p + "experts.0.gate_proj.weight")
     return (model.backend == "triton" and isinstance(w, NVFP4Tensor) and model.knobs.act_scale == "row"
             and model.masters is None and not torch.is_grad_enabled() and model.knobs.matmul != "library"
-            and model._observer is None)
+            and model.input_observer is None)
 
 
 def _experts(weights: dict, p: str, e: int, proj: str) -> list:

@@ -210,7 +210,7 @@ class Qwen3:
         self.masters: dict | None = None  # training: fp32 master weights that receive the gradients
         self.backward = "ste"  # the NVFP4 linears' backward (ops.linear)
         self.device = weights["model.embed_tokens.weight"].device
-        self._observer = None  # see `observing_inputs`
+        self.input_observer = None  # fn(x, names) or None: set by `observing_inputs`
         d = cfg.head_dim
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=self.device) / d))
 
@@ -231,18 +231,18 @@ class Qwen3:
         """Within the block, `fn(x, names)` sees the input x of every linear the forward runs (q/k/v at once;
         an MoE expert the tokens routed to it, on the per-expert path). export.calibrate measures the
         activation ranges with it."""
-        outer, self._observer = self._observer, fn
+        outer, self.input_observer = self.input_observer, fn
         try:
             yield self
         finally:
-            self._observer = outer
+            self.input_observer = outer
 
     def linears(self, x: torch.Tensor, *names: str, xq: NVFP4Tensor | None = None) -> list[torch.Tensor]:
         """The projections `names` of one input (q/k/v, gate/up): one activation quantize and one GEMM
         launch for all of them (`ops.linears`), the bits of separate `ops.linear` calls. `xq`: x's NVFP4,
         made by the op that produced x (see `quantizes_input`)."""
-        if self._observer is not None:
-            self._observer(x, names)
+        if self.input_observer is not None:
+            self.input_observer(x, names)
         ws = [self.param(n + ".weight") for n in names]
         biases = [self.param(n + ".bias") for n in names]
         if self.knobs.matmul == "library":
