@@ -57,8 +57,9 @@ def test_weights_in_one_launch_have_the_bits_of_separate_launches(monkeypatch, c
     outs = gemm.gemm_many_triton(xq, ws, biases, torch.bfloat16)
     for w, b, out in zip(ws, biases, outs):
         assert torch.equal(out, gemm.gemm_triton(xq, w, b, torch.bfloat16))
-    walk = gemm.gemm_triton(nvfp4.NVFP4Tensor(xq.data.repeat(200, 1)[:200], xq.scale.repeat(200, 1)[:200],
-                                              xq.global_scale.repeat(200, 1)[:200], (200, K)), ws[0], None, torch.float32)
+    r = max(m, 200)  # rows enough for the wide walk, the first m of them xq's
+    walk = gemm.gemm_triton(nvfp4.NVFP4Tensor(xq.data.repeat(r, 1)[:r], xq.scale.repeat(r, 1)[:r],
+                                              xq.global_scale.repeat(r, 1)[:r], (r, K)), ws[0], None, torch.float32)
     assert torch.equal(gemm.gemm_triton(xq, ws[0], None, torch.float32), walk[:m])  # split == one-program walk
     assert not gemm.tile_counters(xq.data.device, 1).any()
 
