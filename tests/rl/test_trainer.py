@@ -33,6 +33,21 @@ def test_tiny_model_is_useful_but_imperfect(tiny):
     assert 0.1 < acc < 0.9, acc
 
 
+def test_the_shipped_model_matches_the_code_that_builds_it():
+    """The shipped checkpoint goes stale if the tiny config or the task's tokenizer changes: then rebuild it
+    (`minite build-model --rebuild --out minite_core/rl/tiny_model`)."""
+    import dataclasses
+
+    from minite_core.rl.addition import build_tokenizer
+    from minite_core.rl.tiny import TINY
+    from minite_core.tokenizer import Tokenizer
+
+    cfg = load_model(SHIPPED, precision="bf16").cfg
+    for f in dataclasses.fields(TINY):
+        assert getattr(cfg, f.name) == getattr(TINY, f.name), f.name
+    assert Tokenizer.from_dir(SHIPPED).get_vocab() == build_tokenizer().get_vocab()
+
+
 def test_the_warm_up_learns(tmp_path):
     """build_tiny_model (which wrote the shipped checkpoint): 50 steps take the answer tokens' loss well
     below a uniform guess's, ln(vocabulary), and leave a checkpoint the engines load."""
