@@ -195,6 +195,11 @@ def probe_sm90(out: Path) -> list[dict]:
         cases.append((f"qk_norm_rope_{'cache' if to_cache else 'buffers'}", qkr_mod._qk_norm_rope_kernel,
                       dict(BLOCK_H=16, D=128, TO_CACHE=to_cache, NORM_OUT=False),
                       dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=16, num_warps=4, num_stages=1), (), 1, _QK_PTRS))
+    # the FP8 backward's per-row e4m3 operands (bf16 in)
+    from minite_core.kernels import fp8 as fp8_mod
+    cases.append(("e4m3_rows", fp8_mod._e4m3_rows_kernel, dict(BLOCK_R=16, BLOCK_C=256),
+                  dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=16, num_warps=4, num_stages=1), ("stride_c",), 16,
+                  dict(a_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32")))
     cases.append(("quantize_row_gs", qmod._quantize_kernel, dict(ROW_GS=True, NB=64, EVEN_K=True),
                   dict(BLOCK_M=1, BLOCK_N=1024, BLOCK_K=16, num_warps=4, num_stages=1), ("stride_gs",), 1))
     rows = []

@@ -15,13 +15,13 @@ for p in $parts; do
   t0=$(date +%s)
   case $p in
     tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rfs tests/core/test_ops.py tests/kernels/test_rows.py \
-             tests/kernels/test_gemm.py tests/kernels/test_qk_norm_rope.py tests/kernels/test_attention.py \
+             tests/kernels/test_gemm.py tests/kernels/test_qk_norm_rope.py tests/kernels/test_attention.py tests/kernels/test_fp8.py \
              tests/kernels/test_grouped_gemm.py tests/kernels/test_sample.py tests/engine/test_rollout_fast_paths.py \
              tests/model/test_moe.py tests/core/test_backward.py tests/engine/test_rollout_equals_learner.py tests/consistency/test_knobs.py \
              2>&1 | tail -40 | tee "$OUT/tests.txt" ;;
     rollout) timeout 420 python3 bench/rollout.py ${ROLLOUT_ARGS:---configs 0.6b --batches 16,64 --repeats 2} \
              --json "$OUT/rollout.json" 2>&1 | tee "$OUT/rollout.txt" | tail -30 ;;
-    learner) timeout 300 python3 bench/learner.py ${LEARNER_ARGS:---steps 5} 2>&1 \
+    learner) timeout 300 python3 bench/learner.py ${LEARNER_ARGS:---steps 5 --backward fp8} 2>&1 \
              | tee "$OUT/learner.txt" | tail -30 ;;
     attention) timeout 120 python3 bench/attention.py 2>&1 | tee "$OUT/attention.txt" | tail -20 ;;
     gemm) timeout 240 python3 bench/gemm.py ${GEMM_ARGS:---quick} --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.txt" | tail -40 ;;

@@ -111,12 +111,18 @@ def _pad16(t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, pad) if dim == 1 else (0, 0, 0, pad))
 
 
-def _fp8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [M, R] @ b [N, R].T on per-row e4m3 operands, fp32 [M, N]. Every dimension is zero-padded to a
-    multiple of 16 (the FP8 GEMM's alignment; zero rows get scale 1 and add nothing)."""
+def e4m3_rows(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a [R, C] zero-padded to multiples of 16 in both dimensions (the FP8 GEMM's alignment; zero rows get
+    scale 1 and add nothing), then `_e4m3_rows`: the definition; `kernels.fp8.e4m3_rows_triton` writes the
+    same bytes and scales in one pass, reading transposed views without a copy."""
+    return _e4m3_rows(_pad16(_pad16(a, 1), 0))
+
+
+def _fp8_mm(a: torch.Tensor, b: torch.Tensor, rows=e4m3_rows) -> torch.Tensor:
+    """a [M, R] @ b [N, R].T on per-row e4m3 operands (`rows`: `e4m3_rows` or its kernel), fp32 [M, N]."""
     m, n = a.shape[0], b.shape[0]
-    aq, sa = _e4m3_rows(_pad16(_pad16(a, 1), 0))
-    bq, sb = _e4m3_rows(_pad16(_pad16(b, 1), 0))
+    aq, sa = rows(a)
+    bq, sb = rows(b)
     if a.is_cuda:  # row-wise scaled e4m3 GEMM (cuBLASLt), bf16 out; b column-major as it wants
         out = torch._scaled_mm(aq, bq.T, scale_a=sa, scale_b=sb.T, out_dtype=torch.bfloat16).float()
     else:  # the same operands, fixed-order fp32 (MKL's order depends on buffer alignment: resumes would drift)
@@ -125,15 +131,15 @@ def _fp8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_recipe(g2: torch.Tensor, x2: torch.Tensor | None, w, xq: NVFP4Tensor | None, need_x: bool, need_w: bool,
-               dequantize=nvfp4.dequantize):
+               dequantize=nvfp4.dequantize, rows=e4m3_rows):
     """dgrad = g @ deq(W) and wgrad = g.T @ deq(Q(x)) (plain weights: W and x) with both operands of each
-    product in e4m3, per-row scales along the inner dimension. Returns (grad_x, grad_w) in fp32, None where
-    not needed."""
+    product in e4m3, per-row scales along the inner dimension (`rows`: `e4m3_rows` or its kernel, which
+    reads the transposed views below in place). Returns (grad_x, grad_w) in fp32, None where not needed."""
     if isinstance(w, NVFP4Tensor):
         wd = dequantize(w, torch.bfloat16) if need_x else None
         xd = dequantize(xq, torch.bfloat16) if need_w else None
     else:
         wd, xd = w, x2
-    grad_x = _fp8_mm(g2, wd.T.contiguous()) if need_x else None  # [M, N] @ [N, K]: rows of W^T along N
-    grad_w = _fp8_mm(g2.T.contiguous(), xd.T.contiguous()) if need_w else None  # [N, M] @ [M, K]: along M
+    grad_x = _fp8_mm(g2, wd.T, rows) if need_x else None  # [M, N] @ [N, K]: rows of W^T along N
+    grad_w = _fp8_mm(g2.T, xd.T, rows) if need_w else None  # [N, M] @ [M, K]: along M
     return grad_x, grad_w

@@ -204,7 +204,10 @@ def _linear_grads(ctx, g2, x2, w, w_tensor, need_x: bool, need_w: bool, deq):
     if ctx.bwd == "nvfp4" and isinstance(w, NVFP4Tensor):
         return bwd.nvfp4_recipe(g2.float(), x2, w)
     if ctx.bwd == "fp8":
-        return bwd.fp8_recipe(g2, x2, w, ctx.xq, need_x, need_w, deq)
+        rows = bwd.e4m3_rows
+        if resolve_backend(ctx.backend) == "triton":
+            from .kernels.fp8 import e4m3_rows_triton as rows
+        return bwd.fp8_recipe(g2, x2, w, ctx.xq, need_x, need_w, deq, rows)
     if g2.is_cuda:
         return bwd.ste_cuda(g2, x2, w, ctx.xq, ctx.x_dtype if need_x else None, w_tensor.dtype if need_w else None, deq)
     return bwd.ste_cpu(g2.float(), x2, w, ctx.xq)  # CPU: the fixed-order fp32 path (reproducible resumes)
