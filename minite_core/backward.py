@@ -115,7 +115,7 @@ def e4m3_rows(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """a [R, C] zero-padded to multiples of 16 in both dimensions (the FP8 GEMM's alignment; zero rows get
     scale 1 and add nothing), then `_e4m3_rows`: the definition; `kernels.fp8.e4m3_rows_triton` writes the
     same bytes and scales in one pass, reading transposed views without a copy."""
-    return _e4m3_rows(_pad16(_pad16(a, 1), 0))
+    return _e4m3_rows(_pad16(_pad16(a, 1), 0).contiguous())  # (row-major, as the FP8 GEMM wants its operands)
 
 
 def _fp8_mm(a: torch.Tensor, b: torch.Tensor, rows=e4m3_rows) -> torch.Tensor:

@@ -87,3 +87,9 @@ def test_fp8_recipe_gradients_equal_with_the_kernel(plain):
     got = backward.fp8_recipe(g, x, wq, xq, True, True, rows=e4m3_rows_triton)
     for r, o in zip(ref, got):
         assert torch.equal(r, o)
+
+
+def test_the_definition_writes_row_major_operands_from_views():
+    a = _rand(32, 48, seed=7)
+    q, _ = backward.e4m3_rows(a.T)  # no padding needed: the cast would keep the view's column-major strides
+    assert q.is_contiguous()
