@@ -15,7 +15,7 @@ for p in $parts; do
   t0=$(date +%s)
   case $p in
     tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rfs tests/core/test_ops.py tests/kernels/test_rows.py \
-             tests/kernels/test_gemm.py tests/kernels/test_qk_norm_rope.py tests/kernels/test_attention.py tests/kernels/test_fp8.py \
+             tests/kernels/test_gemm.py tests/kernels/test_qk_norm_rope.py tests/kernels/test_attention.py tests/kernels/test_fp8.py tests/kernels/test_quantize.py \
              tests/kernels/test_grouped_gemm.py tests/kernels/test_sample.py tests/engine/test_rollout_fast_paths.py \
              tests/model/test_moe.py tests/core/test_backward.py tests/engine/test_rollout_equals_learner.py tests/consistency/test_knobs.py \
              2>&1 | tail -40 | tee "$OUT/tests.txt" ;;

@@ -42,13 +42,16 @@ def e4m3_round_bits(v):
 
 @triton.jit
 def e2m1_round(v):
-    """RNE of fp32 v in [-6, 6] to E2M1 codes 0..15 (bit 3 = sign), as `nvfp4.round_e2m1`."""
+    """RNE of fp32 v in [-6, 6] to E2M1 codes 0..15 (bit 3 = sign), as `nvfp4.round_e2m1` (which counts
+    thresholds), on the bits in about half the instructions. |v| >= 1: round the fp32 mantissa to one bit,
+    ties to even (the carry may bump the exponent); the exponent and that bit are the code, 1.0 -> 2 ...
+    6.0 -> 7. |v| < 1 (codes 0, 1, 2 = 0, 0.5, 1.0): 2|v| + 2^23 rounds to an integer, ties to even, held
+    in the low mantissa bits."""
     a = tl.abs(v)
-    code = (
-        (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-        + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
-        + (a > 5.0).to(tl.int32)
-    )
+    bits = a.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252  # (127 << 1) | m: 254 -> code 2
+    small = (a * 2.0 + 8388608.0).to(tl.int32, bitcast=True) & 3
+    code = tl.where(a < 1.0, small, normal)
     sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
     return (code | (sign << 3)).to(tl.uint8)
 

@@ -1,0 +1,49 @@
+"""The quantize kernels' E2M1 rounding helper (`kernels.quantize.e2m1_round`, on the fp32 bits) against
+the definition (`nvfp4.round_e2m1`, which counts thresholds): every threshold, its fp32 neighbours, the
+representable values, signed zeros and a dense random sample of [-6, 6], byte for byte. (The whole
+quantize kernels are compared with the torch backend in tests/core/test_ops.py.)
+
+On a CPU machine the kernel runs under the Triton interpreter; on a GPU, on the GPU.
+"""
+import pytest
+import torch
+from tests.backends import DEVICE, HAS_CUDA, HAS_TRITON
+
+from minite_core import nvfp4
+
+pytestmark = [pytest.mark.gpu if HAS_CUDA else pytest.mark.interpreter,
+              pytest.mark.skipif(not HAS_TRITON, reason="triton missing")]
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from minite_core.kernels.quantize import e2m1_round
+
+    @triton.jit
+    def _round_kernel(v_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(v_ptr + offs, mask=offs < n, other=0.0)
+        tl.store(out_ptr + offs, e2m1_round(v), mask=offs < n)
+
+
+def _round(v: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(v.shape, dtype=torch.uint8, device=v.device)
+    _round_kernel[(triton.cdiv(v.numel(), 1024),)](v, out, v.numel(), BLOCK=1024)
+    return out
+
+
+def test_every_threshold_and_its_neighbours():
+    points = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 1e-30, 2**-126])
+    up = torch.nextafter(points, torch.full_like(points, 7.0))
+    down = torch.nextafter(points, torch.full_like(points, -1.0)).clamp_min(0.0)
+    v = torch.cat([points, up.clamp_max(6.0), down])
+    v = torch.cat([v, -v]).to(DEVICE)
+    assert torch.equal(_round(v), nvfp4.round_e2m1(v))
+
+
+def test_dense_random_values():
+    g = torch.Generator().manual_seed(0)
+    v = (torch.rand(200_000, generator=g) * 12 - 6)
+    v = torch.cat([v, v * 1e-3, torch.tensor([-0.0, 6.0, -6.0])]).to(DEVICE)
+    assert torch.equal(_round(v), nvfp4.round_e2m1(v))
