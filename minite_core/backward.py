@@ -96,14 +96,6 @@ def nvfp4_recipe(g2: torch.Tensor, x2: torch.Tensor, w: NVFP4Tensor):
     return grad_x, grad_w
 
 
-def _e4m3_rows(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of a [R, C] -> (e4m3 [R, C], fp32 scales [R, 1]): each row divided by amax / 448 (1 for a zero
-    row) and rounded to e4m3, so a ~= q * scale."""
-    amax = a.abs().amax(dim=1, keepdim=True).float()
-    scale = torch.where(amax > 0, amax / nvfp4.E4M3_MAX, torch.ones_like(amax))
-    return (a.float() / scale).to(torch.float8_e4m3fn), scale
-
-
 def _pad16(t: torch.Tensor, dim: int) -> torch.Tensor:
     pad = (-t.shape[dim]) % 16
     if not pad:
@@ -112,10 +104,15 @@ def _pad16(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def e4m3_rows(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """a [R, C] zero-padded to multiples of 16 in both dimensions (the FP8 GEMM's alignment; zero rows get
-    scale 1 and add nothing), then `_e4m3_rows`: the definition; `kernels.fp8.e4m3_rows_triton` writes the
-    same bytes and scales in one pass, reading transposed views without a copy."""
-    return _e4m3_rows(_pad16(_pad16(a, 1), 0).contiguous())  # (row-major, as the FP8 GEMM wants its operands)
+    """Rows of a [R, C] -> (e4m3 [RP, CP], fp32 scales [RP, 1]): a zero-padded to multiples of 16 in both
+    dimensions (the FP8 GEMM's alignment; zero rows get scale 1 and add nothing), each row divided by
+    amax / 448 (1 for a zero row) and rounded to e4m3, so a ~= q * scale; row-major, as the FP8 GEMM wants
+    its operands. The definition; `kernels.fp8.e4m3_rows_triton` writes the same bytes and scales in one
+    pass, reading transposed views without a copy."""
+    a = _pad16(_pad16(a, 1), 0).contiguous()
+    amax = a.abs().amax(dim=1, keepdim=True).float()
+    scale = torch.where(amax > 0, amax / nvfp4.E4M3_MAX, torch.ones_like(amax))
+    return (a.float() / scale).to(torch.float8_e4m3fn), scale
 
 
 def _fp8_mm(a: torch.Tensor, b: torch.Tensor, rows=e4m3_rows) -> torch.Tensor:

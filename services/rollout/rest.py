@@ -369,14 +369,14 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
     def token_bytes(tok: int) -> list[int]:
         return list(rt.tokenizer.token_bytes(tok)) if rt.tokenizer is not None else []
 
-    def offsets(ids, start: int = 0) -> list[int]:
-        """text_offset: where each token's text begins in the decoded text (from `start`); a token that ends
-        inside a character begins where that character does."""
+    def offsets(ids) -> list[int]:
+        """text_offset: where each token's text begins in the decoded text (followed token by token, O(n));
+        a token that ends inside a character begins where that character does."""
         if rt.tokenizer is None:
-            return [start] * len(ids)
+            return [0] * len(ids)
         out, text = [], rt.tokenizer.stream()
         for t in ids:
-            out.append(start + len(text.text))
+            out.append(len(text.text))
             text.push(t)
         return out
 
@@ -580,8 +580,7 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
                         tops = [None] + [{piece(t): lp} for t, lp in zip(prompt[1:], prompt_lps)] + tops
                         ids, lps = list(prompt) + ids, [None] + prompt_lps + lps
                     choice["logprobs"] = {"tokens": [piece(t) for t in ids], "token_logprobs": lps, "top_logprobs": tops,
-                                          # (a decode per prefix: off the event loop)
-                                          "text_offset": await asyncio.to_thread(offsets, ids)}
+                                          "text_offset": offsets(ids)}
                 choices.append(choice)
         return envelope("text_completion", "cmpl", choices, reqs, prompts)
 
