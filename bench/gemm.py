@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minite_core import nvfp4, ops  # noqa: E402
 from minite_core.kernels import gemm as gemm_mod  # noqa: E402
 from minite_core.kernels import grouped_gemm as gg  # noqa: E402
+from minite_core.kernels import pdl  # noqa: E402
 from minite_core.kernels.quantize import quantize_triton  # noqa: E402
 
 # a dense projection; a MoE expert's gate_up (Qwen3-30B-A3B); Qwen3-0.6B's k/v projection (decode: S = 8 K chunks)
@@ -271,6 +272,7 @@ def decode_layer(ms=(16, 64)) -> list[dict]:
       nvfp4-before  NVFP4, each linear alone: seven activation quantizes, seven GEMM launches
       nvfp4-now     NVFP4 as the model runs it: RMSNorm and SiLU*up quantize their output in the same kernel,
                     q/k/v and gate/up in one GEMM launch each
+    and the two last ones again with programmatic dependent launch off (`kernels/pdl.py`; on by default).
     The attention output (the o_proj input) is a random activation; attention itself is not timed."""
     g = torch.Generator(device="cuda").manual_seed(0)
     rnd = lambda *s: torch.randn(*s, device="cuda", generator=g, dtype=torch.bfloat16)  # noqa: E731
@@ -309,6 +311,9 @@ def decode_layer(ms=(16, 64)) -> list[dict]:
 
             r = {"model": name, "M": m, "cublas-bf16": bench(cublas), "minite-bf16": bench(lambda: minite(wb, True)),
                  "nvfp4-before": bench(lambda: minite(wq, False)), "nvfp4-now": bench(lambda: minite(wq, True))}
+            pdl.ENABLED = False
+            r["minite-bf16-no-pdl"], r["nvfp4-now-no-pdl"] = bench(lambda: minite(wb, True)), bench(lambda: minite(wq, True))
+            pdl.ENABLED = True
             rows.append(r)
             print("# decode layer", json.dumps(r), flush=True)
     return rows
@@ -362,10 +367,12 @@ def main():
               f" {us(r.get('minite-gemm-packed'))}   |"
               f" {r['cublas-bf16'] / r['minite-w4a4']:6.2f}x      | {flop / r['minite-w4a4'] / 1e12:7.1f} ({flop / r['cublas-bf16'] / 1e12:6.1f})")
     print(f"\nquantize 8192x4096 bf16: {qbw['quantize_GBps']:.0f} GB/s vs copy {qbw['copy_GBps']:.0f} GB/s = {qbw['ratio']:.2f}")
-    print("\nmodel    M | cuBLAS bf16 | minite bf16 | nvfp4 before | nvfp4 now | now vs before | now vs minite bf16 (a layer's linears)")
+    print("\nmodel    M | cuBLAS bf16 | minite bf16 | nvfp4 before | nvfp4 now | now vs before | now vs minite bf16 | no PDL: bf16, nvfp4"
+          " (a layer's linears)")
     for r in layer:
         print(f"decode {r['model']:4s} {r['M']:3d} | {us(r['cublas-bf16'])}us | {us(r['minite-bf16'])}us | {us(r['nvfp4-before'])}us  |"
-              f" {us(r['nvfp4-now'])}us | {r['nvfp4-before'] / r['nvfp4-now']:6.2f}x       | {r['minite-bf16'] / r['nvfp4-now']:6.2f}x")
+              f" {us(r['nvfp4-now'])}us | {r['nvfp4-before'] / r['nvfp4-now']:6.2f}x       | {r['minite-bf16'] / r['nvfp4-now']:6.2f}x"
+              f"            | {us(r['minite-bf16-no-pdl'])}us {us(r['nvfp4-now-no-pdl'])}us")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # this script compiles; it never inter
 
 import triton  # noqa: E402
 
+from minite_core.kernels import attention as att_mod  # noqa: E402
 from minite_core.kernels import gemm as gemm_mod  # noqa: E402
 from minite_core.kernels import grouped_gemm as gg  # noqa: E402
 from minite_core.kernels import qk_norm_rope as qkr_mod  # noqa: E402
@@ -51,9 +52,11 @@ _PTRS = dict(a_ptr="*u8", as_ptr="*u8", ags_ptr="*fp32", b_ptr="*u8", bs_ptr="*u
 # the q/k norm + RoPE kernel's pointers (its K and S are tensors, the GEMM's are sizes)
 _QK_PTRS = dict(Q="*bf16", K="*bf16", V="*bf16", WQ="*bf16", WK="*bf16", C="*bf16", S="*bf16", QO="*bf16", KO="*bf16",
                 VO="*bf16", QN="*bf16", KN="*bf16", RQ="*fp32", RK="*fp32", SLOT="*i32", POS="*i64")
+_ATT_PTRS = dict(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", MS="*fp32", LS="*fp32", ACCS="*fp32", QPOS="*i32",
+                 KVLEN="*i32", KVROW="*i32")
 for _i in range(3):  # the GEMM's weights of one launch (segments)
     _PTRS.update({f"b{_i}": "*u8", f"bs{_i}": "*u8", f"bgs{_i}": "*fp32", f"bias{_i}": "*bf16", f"c{_i}": "*bf16"})
-_FLOATS = ("nf", "eps")
+_FLOATS = ("nf", "eps", "scale")
 # int args that are not multiples of 16 (row counts, tile boundaries, strides that are 0 or 1)
 _NOT_DIV16 = ("M", "E", "R", "t1", "t2", "grid_n", "sg0", "sg1", "sg2", "stride_ags", "stride_bgs", "S", "chunk_stride",
               "T", "HQ", "HKV", "scb", "ssb")
@@ -144,7 +147,9 @@ def mix(loop: list[tuple[int, str]]) -> Counter:
     return Counter(op.split(".")[0] for _, op in loop)
 
 
-def probe_sm90(out: Path) -> list[dict]:
+def sm90_cases() -> list[tuple]:
+    """(name, kernel, constexprs, config, scalar args that are 0 or 1, M, [pointer types]) of every kernel
+    probed; the kernels that take PDL get PDL=True, as they launch on sm_90."""
     n, k = SHAPE
     cases = []
     # SHAPE (S = 2), plus the Qwen3-0.6B decode shape 1024 x 1024 (S = 8) and N = 16384 (S = 1)
@@ -202,8 +207,20 @@ def probe_sm90(out: Path) -> list[dict]:
                   dict(a_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32")))
     cases.append(("quantize_row_gs", qmod._quantize_kernel, dict(ROW_GS=True, NB=64, EVEN_K=True),
                   dict(BLOCK_M=1, BLOCK_N=1024, BLOCK_K=16, num_warps=4, num_stages=1), ("stride_gs",), 1))
+    cases.append(("silu_mul", rows_mod._silu_mul_fwd_kernel, dict(BLOCK=1024),
+                  dict(BLOCK_M=1, BLOCK_N=1024, BLOCK_K=16, num_warps=4, num_stages=1), (), 1))
+    bm, bn, sn = att_mod.attention_config()  # decode: a KV head's query heads in one tile, the cache rows by slot
+    cases.append(("attention_decode", att_mod._attention_kernel,
+                  dict(D=128, BLOCK_M=bm, BLOCK_N=bn, SPLIT_N=sn, DOT_BY_SUM=False, IEEE=False, HAS_KVROW=True),
+                  dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=16, num_warps=att_mod.NUM_WARPS, num_stages=1),
+                  ("spb", "spr", "NGRP", "GPK", "ROWS", "TK", "NSPLIT", "CPS"), 1, _ATT_PTRS))
+    return [(name, kern, dict(const, PDL=True) if "PDL" in kern.arg_names else const, *rest)
+            for name, kern, const, *rest in cases]
+
+
+def probe_sm90(out: Path) -> list[dict]:
     rows = []
-    for name, kern, const, cfg, ones, m, *ptrs in cases:
+    for name, kern, const, cfg, ones, m, *ptrs in sm90_cases():
         ck = compile_sm90(kern, const, cfg["num_warps"], cfg["num_stages"], ones, *ptrs)
         ttgir, ptx = ck.asm["ttgir"], ck.asm["ptx"]
         sass = sass_of(ck.asm["cubin"])

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device session: the GPU tests of the kernels and engines, then the benchmarks, logs under $OUT.
 #   bash bench/gpu_session.sh [tests] [rollout] [learner] [attention] [gemm]   (default: all)
-# ROLLOUT_ARGS / LEARNER_ARGS / GEMM_ARGS override the benchmarks' arguments. A summary table comes last.
+# ROLLOUT_ARGS / LEARNER_ARGS / GEMM_ARGS override the benchmarks' arguments, ROLLOUT_TIMEOUT / LEARNER_TIMEOUT
+# their time limits (s). A summary table comes last.
 # All of it does not fit one 600 s device call (the tests alone need ~250 s cold: Triton compiles): run
 # `tests gemm` in one call and `rollout learner attention` in the next, on the same warm machine.
 set -u
@@ -19,9 +20,9 @@ for p in $parts; do
              tests/kernels/test_grouped_gemm.py tests/kernels/test_sample.py tests/engine/test_rollout_fast_paths.py \
              tests/model/test_moe.py tests/core/test_backward.py tests/engine/test_rollout_equals_learner.py tests/consistency/test_knobs.py \
              2>&1 | tail -40 | tee "$OUT/tests.txt" ;;
-    rollout) timeout 420 python3 bench/rollout.py ${ROLLOUT_ARGS:---configs 0.6b --batches 16,64 --repeats 2} \
+    rollout) timeout ${ROLLOUT_TIMEOUT:-420} python3 bench/rollout.py ${ROLLOUT_ARGS:---configs 0.6b --batches 16,64 --repeats 2} \
              --json "$OUT/rollout.json" 2>&1 | tee "$OUT/rollout.txt" | tail -30 ;;
-    learner) timeout 300 python3 bench/learner.py ${LEARNER_ARGS:---steps 5 --backward fp8} 2>&1 \
+    learner) timeout ${LEARNER_TIMEOUT:-300} python3 bench/learner.py ${LEARNER_ARGS:---steps 5 --backward fp8} 2>&1 \
              | tee "$OUT/learner.txt" | tail -30 ;;
     attention) timeout 120 python3 bench/attention.py 2>&1 | tee "$OUT/attention.txt" | tail -20 ;;
     gemm) timeout 240 python3 bench/gemm.py ${GEMM_ARGS:---quick} --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.txt" | tail -40 ;;

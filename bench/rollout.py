@@ -10,6 +10,8 @@ seconds (prefill included, as a user of `generate` sees it). One warm-up run of 
 Peers, all on the same random-weight checkpoint:
 - minite-nvfp4: RolloutEngine, W4A4 weights and activations, Triton backend, CUDA-graph decode;
 - minite-bf16:  the same engine with bf16 weights (Triton plain GEMM);
+- minite-nvfp4-no-pdl, minite-bf16-no-pdl (only when named in --peers): the two with programmatic dependent
+  launch off (`kernels/pdl.py`);
 - minite-bf16-free: the same bf16 engine with the "free" knobs (cuBLAS matmul, torch SDPA attention), i.e.
   what the aligned kernels cost (eager: the knobs are not graph-captured);
 - hf-dynamic:   transformers generate, bf16, sdpa, dynamic KV cache;
@@ -30,10 +32,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import cuda_time, make_config  # noqa: E402
 from minite_core.engine import RolloutEngine, SamplingParams  # noqa: E402
+from minite_core.kernels import pdl  # noqa: E402
 from minite_core.model import load_model  # noqa: E402
 from minite_core.model.random_init import random_checkpoint  # noqa: E402
 
-PEERS = ("minite-nvfp4", "minite-bf16", "minite-bf16-free", "hf-dynamic", "hf-static")
+PEERS = ("minite-nvfp4", "minite-bf16", "minite-bf16-free", "hf-dynamic", "hf-static")  # and the two no-pdl on request
 
 
 def prompts_for(cfg, batch: int, length: int, seed: int = 0) -> torch.Tensor:
@@ -130,7 +133,8 @@ def main() -> None:
                         continue
                     try:
                         if peer.startswith("minite"):
-                            precision = "nvfp4" if peer == "minite-nvfp4" else "bf16"
+                            precision = "nvfp4" if peer.startswith("minite-nvfp4") else "bf16"
+                            pdl.ENABLED = not peer.endswith("no-pdl")  # read at launch (and graph capture) time
                             knobs = {"matmul": "library", "attention": "sdpa"} if peer.endswith("free") else {}
                             run, keep = minite_runner(path, precision, knobs, batch, args.prompt, args.new)
                         else:
@@ -142,6 +146,7 @@ def main() -> None:
                         del run, keep
                     except Exception as e:  # one failing row must not cost the others
                         print(f"{name} {peer} b{batch}: FAILED {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+                    pdl.ENABLED = True
                     torch.cuda.empty_cache()
     print(f"\nrollout decode, {args.prompt}-token prompts, {args.new} new tokens, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}")
@@ -153,9 +158,10 @@ def main() -> None:
             vals = [by.get((name, peer, b)) for b in batches]
             print(f"{name:6s} {peer:17s} " + " ".join(f"{v:9.0f}" if v else f"{'-':>9s}" for v in vals))
         for b in batches:
-            mine, hf = by.get((name, "minite-nvfp4", b)), by.get((name, "hf-static", b))
-            if mine and hf:
-                print(f"{name} b{b}: minite-nvfp4 / hf-static = {mine / hf:.2f}x")
+            mine = by.get((name, "minite-nvfp4", b))
+            for peer in ("minite-bf16", "hf-static"):
+                if mine and by.get((name, peer, b)):
+                    print(f"{name} b{b}: minite-nvfp4 / {peer} = {mine / by[(name, peer, b)]:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -54,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .gemm import interpreting
 from .rows import round_to
 
@@ -100,8 +101,10 @@ def _attention_kernel(
     sqb, sqg, sqr, skb, skh, skt, svb, svh, svt, sob, sog, sor, spb, spr,
     scale, NGRP, GPK, ROWS, TK, NSPLIT, CPS,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
-    DOT_BY_SUM: tl.constexpr, IEEE: tl.constexpr, HAS_KVROW: tl.constexpr,
+    DOT_BY_SUM: tl.constexpr, IEEE: tl.constexpr, HAS_KVROW: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # first: before any global memory access (kernels/pdl.py)
+        pdl.prologue()
     bg = tl.program_id(0)
     b = bg // NGRP
     kb = tl.load(KVROW + b).to(tl.int64) if HAS_KVROW else b  # the cache row (slot) of sequence b
@@ -262,7 +265,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
         out.stride(0), sog, sor, q_pos.stride(0), spr,
         float(scale), ngrp, gpk, rows, tk, nsplit, cps,
         D=d, BLOCK_M=bm, BLOCK_N=bn, SPLIT_N=sn, DOT_BY_SUM=interpreting(), IEEE=q.dtype == torch.float32,
-        HAS_KVROW=kv_rows is not None, num_warps=NUM_WARPS, enable_fp_fusion=False,
+        HAS_KVROW=kv_rows is not None, num_warps=NUM_WARPS, enable_fp_fusion=False, **pdl.launch(q.device),
     )
     if nsplit > 1:
         br = 16

@@ -80,6 +80,7 @@ import triton
 import triton.language as tl
 
 from ..nvfp4 import NVFP4Tensor
+from . import pdl
 
 
 def interpreting() -> bool:
@@ -259,7 +260,7 @@ def _gemm_kernel(
     stride_am, stride_asm, stride_ags, stride_bn, stride_bsn,
     FP4: tl.constexpr, DOT_FP32: tl.constexpr, DOT_BY_SUM: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, HAS_BIAS: tl.constexpr,
     CHUNKED: tl.constexpr, SPLIT: tl.constexpr, DECODED: tl.constexpr, NSEG: tl.constexpr, FIXUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):
     """x @ w_i.T for NSEG (1-3) weights w_i [n_i, K] of one launch, each into its own contiguous out c_i:
     the column tiles are aligned to the weights (t1, t2: the first tile column of weights 1 and 2), so a
@@ -269,6 +270,8 @@ def _gemm_kernel(
     finishes (sums the partials in chunk order, the epilogue), else `_combine_kernel` does, the same
     operations; not SPLIT: the program walks every chunk in order and finishes itself, on packed operands
     or (DECODED) on `decode_nvfp4`'s fp16 ones. grid_n: the tile columns of all the weights."""
+    if PDL:  # first: before any global memory access (kernels/pdl.py)
+        pdl.prologue()
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     group = pid // (GROUP_M * grid_n)
@@ -587,7 +590,7 @@ def _launch(x, xd, segs: list, cfg: dict, fp4: bool):
         *a_args, *flat, part, counters, m, k, chunk_k, n_total, t1, t2, grid_n, *strides,
         FP4=fp4, DOT_FP32=not fp4 and x.dtype == torch.float32, DOT_BY_SUM=interpreting() and not fp4,
         EVEN_K=k % bk == 0, HAS_BIAS=has_bias, CHUNKED=chunks > 1, SPLIT=split, DECODED=decoded, NSEG=len(segs),
-        FIXUP=fixup, **cfg,
+        FIXUP=fixup, **cfg, **pdl.launch(x.device),
     )
     if split and not fixup:
         cbm, cbn = (16, 32) if interpreting() else (32, 128)

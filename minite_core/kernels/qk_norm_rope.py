@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .rows import _unit_last, rms_norm_backward, rms_rstd, rms_scale, rope_apply, rope_rotate, round_to
 
 
@@ -55,10 +56,13 @@ def _store_heads(P, s_row, s_head, s_col, row, col, H, lo, hi, BLOCK_H: tl.const
 @triton.jit
 def _qk_norm_rope_kernel(Q, K, V, WQ, WK, C, S, QO, KO, VO, QN, KN, RQ, RK, SLOT, POS,
                          T, HQ, HKV, sq, sk, sv, scb, sct, ssb, sst, skr, skh, skc, svr, svh, svc, nf, eps,
-                         BLOCK_H: tl.constexpr, D: tl.constexpr, TO_CACHE: tl.constexpr, NORM_OUT: tl.constexpr):
+                         BLOCK_H: tl.constexpr, D: tl.constexpr, TO_CACHE: tl.constexpr, NORM_OUT: tl.constexpr,
+                         PDL: tl.constexpr):
     """One program per token: q and k RMSNorm per head + RoPE; q to QO [tokens, HQ, D]; k to KO, which is
     a [B, T, HKV, D] buffer (row b, column t) or, TO_CACHE, the KV cache [slots, HKV, capacity, D] (row
     SLOT[b], column POS[b, t]), where v is copied as well. NORM_OUT: the normalized q, k to QN, KN."""
+    if PDL:  # first: before any global memory access (kernels/pdl.py)
+        pdl.prologue()
     tok = tl.program_id(0).to(tl.int64)
     b = tok // T
     t = tok % T
@@ -124,7 +128,8 @@ def qk_norm_rope_forward(q, k, v, wq, wk, eps: float, cos, sin, cache=None, norm
             q, k, v, wq.contiguous(), wk.contiguous(), cos, sin, qo, ko, vo, qn, kn, rq, rk, slots, pos,
             t, hq, hkv, q.stride(1), k.stride(1), v.stride(1), cos.stride(0), cos.stride(2), sin.stride(0), sin.stride(2),
             *kstr, *vstr, float(d), float(eps),
-            BLOCK_H=triton.next_power_of_2(max(hq, hkv)), D=d, TO_CACHE=cache is not None, NORM_OUT=norm_out, num_warps=4)
+            BLOCK_H=triton.next_power_of_2(max(hq, hkv)), D=d, TO_CACHE=cache is not None, NORM_OUT=norm_out, num_warps=4,
+            **pdl.launch(q.device))
     return (qo.transpose(1, 2), None if cache is not None else ko.transpose(1, 2),
             qn if norm_out else None, kn if norm_out else None, rq, rk)
 

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from .. import nvfp4
 from ..nvfp4 import BLOCK, NVFP4Tensor
+from . import pdl
 from .gemm import interpreting, load_decode_step
 
 _E2M1_MAX = tl.constexpr(nvfp4.E2M1_MAX)
@@ -81,9 +82,11 @@ def quantize_blocks(x, gs, inv_gs):
 def _quantize_kernel(
     x_ptr, data_ptr, scale_ptr, gs_ptr,
     K, stride_x, stride_data, stride_scale, stride_gs,
-    ROW_GS: tl.constexpr, NB: tl.constexpr, EVEN_K: tl.constexpr,
+    ROW_GS: tl.constexpr, NB: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per row; the row is walked in chunks of NB blocks, held as an [NB, 16] tile."""
+    if PDL:  # first: before any global memory access (kernels/pdl.py)
+        pdl.prologue()
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     blk = tl.arange(0, NB)
@@ -150,7 +153,7 @@ def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None) -> NVFP4
     if r:
         _quantize_kernel[(r,)](
             x2, data, scale, gs, k, x2.stride(0), data.stride(0), scale.stride(0), stride_gs,
-            ROW_GS=global_scale is None, NB=nb, EVEN_K=k % (nb * BLOCK) == 0, num_warps=4,
+            ROW_GS=global_scale is None, NB=nb, EVEN_K=k % (nb * BLOCK) == 0, num_warps=4, **pdl.launch(x.device),
         )
     return as_nvfp4((data, scale, gs), tuple(x.shape), global_scale)
 

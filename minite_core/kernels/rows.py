@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from ..nvfp4 import BLOCK as QBLOCK
+from . import pdl
 from .gemm import interpreting
 from .quantize import nvfp4_buffers, quantize_blocks, row_global_scale
 
@@ -85,9 +86,12 @@ def rms_scale(xf, rstd, w, XDT: tl.constexpr, YDT: tl.constexpr):
 
 @triton.jit
 def _rms_norm_fwd_kernel(X, W, Y, RSTD, Q, QS, QGS, DELTA, XS, R, N, sx, sy, sd, nf, eps,
-                         ROWS: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, RESIDUAL: tl.constexpr):
+                         ROWS: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, RESIDUAL: tl.constexpr,
+                         PDL: tl.constexpr):
     """RESIDUAL: the rows normalized are x + delta (rounded once to x's dtype, as torch adds), also written
     to XS [R, N]; QUANT: y's NVFP4 (`quantize_rows`)."""
+    if PDL:  # first: before any global memory access (kernels/pdl.py)
+        pdl.prologue()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     row_ok = rows < R
@@ -183,7 +187,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize
         _rms_norm_fwd_kernel[(triton.cdiv(r, rows),)](
             x2, w, y, rstd, *(q or (y, y, y)), d2 if d2 is not None else x2, xs if xs is not None else y, r, n,
             x2.stride(0), y.stride(0), d2.stride(0) if d2 is not None else 0, float(n), float(eps),
-            ROWS=rows, BLOCK=block, QUANT=quantize, RESIDUAL=delta is not None, num_warps=warps)
+            ROWS=rows, BLOCK=block, QUANT=quantize, RESIDUAL=delta is not None, num_warps=warps, **pdl.launch(x.device))
     return y.reshape(*x.shape[:-1], n), rstd, q, (xs.reshape(x.shape) if xs is not None else None)
 
 
@@ -249,7 +253,9 @@ def silu_mul_value(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_fwd_kernel(GATE, UP, OUT, numel, BLOCK: tl.constexpr):
+def _silu_mul_fwd_kernel(GATE, UP, OUT, numel, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # first: before any global memory access (kernels/pdl.py)
+        pdl.prologue()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     g = tl.load(GATE + offs, mask=mask, other=0.0)
@@ -270,11 +276,13 @@ def _silu_mul_chunk(GATE, UP, base, offs, N, EVEN: tl.constexpr, dtype: tl.const
 
 
 @triton.jit
-def _silu_mul_quantize_kernel(GATE, UP, OUT, Q, QS, QGS, N, NB: tl.constexpr, EVEN: tl.constexpr):
+def _silu_mul_quantize_kernel(GATE, UP, OUT, Q, QS, QGS, N, NB: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
     """One row per program (contiguous rows of N, a multiple of 16): out = silu(gate) * up as the elementwise
     kernel, and out's NVFP4 with a per-row global scale: a first walk over the row's chunks of NB blocks for
     the row's max |out|, a second that writes out and quantizes it (`quantize_blocks`), computing out again
     (the same elementwise operations, so the same values) instead of reading it back."""
+    if PDL:  # first: before any global memory access (kernels/pdl.py)
+        pdl.prologue()
     row = tl.program_id(0).to(tl.int64)
     blk = tl.arange(0, NB)
     offs16 = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
@@ -324,14 +332,16 @@ def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, quantize: bool = Fals
     if not quantize:
         if gate.numel():
             block = _elementwise_block()
-            _silu_mul_fwd_kernel[(triton.cdiv(gate.numel(), block),)](gate, up, out, gate.numel(), BLOCK=block, num_warps=4)
+            _silu_mul_fwd_kernel[(triton.cdiv(gate.numel(), block),)](gate, up, out, gate.numel(), BLOCK=block, num_warps=4,
+                                                                        **pdl.launch(gate.device))
         return out
     n = gate.shape[-1]
     r = gate.numel() // n if n else 0
     q = nvfp4_buffers(r, n, gate.device)
     if r and n:
         nb = min(16 if interpreting() else 64, triton.next_power_of_2(n // QBLOCK))
-        _silu_mul_quantize_kernel[(r,)](gate, up, out, *q, n, NB=nb, EVEN=n % (nb * QBLOCK) == 0, num_warps=4)
+        _silu_mul_quantize_kernel[(r,)](gate, up, out, *q, n, NB=nb, EVEN=n % (nb * QBLOCK) == 0, num_warps=4,
+                                        **pdl.launch(gate.device))
     return out, q
 
 

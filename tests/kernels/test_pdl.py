@@ -1,0 +1,71 @@
+"""Programmatic dependent launch (`kernels/pdl.py`): a kernel launched with PDL may start while the previous
+grid still runs, so it must wait (`griddepcontrol.wait`) before its first global memory access. Checked on
+the PTX each such kernel compiles to for sm_90, on the CPU (Triton compiles for a GPU target without one;
+the GPU runs of the engine tests run with PDL on). Compiled in a subprocess: the compiler cannot run under
+TRITON_INTERPRET, which this test session sets."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# every kernel of the decode step's chain takes PDL (a norm, the GEMMs, q/k norm + RoPE, attention, SiLU * up,
+# the activation quantize)
+DECODE_CHAIN = {"_gemm_kernel", "_rms_norm_fwd_kernel", "_silu_mul_fwd_kernel", "_silu_mul_quantize_kernel",
+                "_quantize_kernel", "_qk_norm_rope_kernel", "_attention_kernel"}
+
+SCRIPT = r"""
+import importlib, json, pkgutil, re
+import triton
+import bench.gemm_probe as gp
+import minite_core.kernels as kpkg
+
+# the kernels of minite_core.kernels that take PDL
+takes = {}
+for info in pkgutil.iter_modules(kpkg.__path__):
+    mod = importlib.import_module(f"minite_core.kernels.{info.name}")
+    for v in vars(mod).values():
+        if isinstance(v, triton.runtime.JITFunction) and "PDL" in v.arg_names and v.__name__.startswith("_"):
+            takes[v.__name__] = None
+access = re.compile(r"^\s*(?:@!?%p\d+\s+)?(ld|st|atom|red|cp\.async|prefetch)\.(?!param|shared|local|const)\S*")
+seen = set()
+for name, kern, const, cfg, ones, m, *ptrs in gp.sm90_cases():
+    if not const.get("PDL") or kern.__name__ in seen:
+        continue
+    seen.add(kern.__name__)
+    ptx = gp.compile_sm90(kern, const, cfg["num_warps"], cfg["num_stages"], ones, *ptrs).asm["ptx"]
+    lines = ptx.splitlines()
+    wait = next((i for i, l in enumerate(lines) if "griddepcontrol.wait" in l), None)
+    release = next((i for i, l in enumerate(lines) if "griddepcontrol.launch_dependents" in l), None)
+    first = next((i for i, l in enumerate(lines) if access.match(l)), None)
+    takes[kern.__name__] = dict(case=name, wait=wait, release=release, first_access=first,
+                                first_line=lines[first].strip() if first is not None else None)
+print(json.dumps(takes))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_decode_chain_kernels_take_pdl(compiled):
+    assert DECODE_CHAIN <= set(compiled), DECODE_CHAIN - set(compiled)
+
+
+def test_every_pdl_kernel_waits_before_touching_memory(compiled):
+    for kernel, r in compiled.items():
+        assert r is not None, f"{kernel} takes PDL but bench/gemm_probe.py's sm90_cases() does not compile it"
+        assert r["wait"] is not None, f"{kernel} ({r['case']}): no griddepcontrol.wait in its PTX"
+        assert r["first_access"] is not None and r["wait"] < r["first_access"], \
+            f"{kernel} ({r['case']}): global memory access before the wait: {r['first_line']}"
+        assert r["release"] is not None and r["wait"] < r["release"], f"{kernel}: launch_dependents before the wait"
