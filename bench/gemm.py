@@ -14,6 +14,9 @@ For each shape (N, K) and M it times, with triton.testing.do_bench_cudagraph (me
                 last program (COMBINE_IN_KERNEL = False; same bits, checked: combine-same-bits)
   minite-gemm-packed M > 128: the same bits from the packed operands decoded in every tile (DECODE_WIDE = False;
                 the default decodes both operands once, `decode-both`, and runs the tile on fp16)
+  minite-gemm-s1 S > 1: the GEMM with one K chunk (CHUNKS_OVERRIDE = 1): what the chunks cost, or save, at
+                this M (a different reduction order: S is one per (N, K) for every M, so a change of S
+                changes the bits of the rollout and the learner alike)
 and the activation-quantize kernel's bandwidth against a plain device copy, and (`decode_layer`) a Qwen3
 layer's seven linears at decode batch sizes as the model runs them. It also checks, on the GPU,
 that the swapped narrow tiles (M <= 128: BLOCK_M 16/32/64/128) give the same bits as the wide ones (the
@@ -129,6 +132,10 @@ def run(quick: bool) -> list[dict]:
                 r["minite-gemm-combine-kernel"] = bench(lambda: gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16))
                 r["combine-same-bits"] = torch.equal(in_kernel, gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16))
                 gemm_mod.COMBINE_IN_KERNEL = True
+            if r["S"] > 1:  # what the K chunks cost: S = 1 (a different reduction order, so other bits)
+                gemm_mod.CHUNKS_OVERRIDE = 1
+                r["minite-gemm-s1"] = bench(lambda: gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16))
+                gemm_mod.CHUNKS_OVERRIDE = None
             rows.append(r)
             print(json.dumps(r), flush=True)
     return rows
@@ -272,7 +279,8 @@ def decode_layer(ms=(16, 64)) -> list[dict]:
       nvfp4-before  NVFP4, each linear alone: seven activation quantizes, seven GEMM launches
       nvfp4-now     NVFP4 as the model runs it: RMSNorm and SiLU*up quantize their output in the same kernel,
                     q/k/v and gate/up in one GEMM launch each
-    and the two last ones again with programmatic dependent launch off (`kernels/pdl.py`; on by default).
+    and the two last ones again with programmatic dependent launch off (`kernels/pdl.py`; on by default),
+    and nvfp4-now with one K chunk per linear (S = 1).
     The attention output (the o_proj input) is a random activation; attention itself is not timed."""
     g = torch.Generator(device="cuda").manual_seed(0)
     rnd = lambda *s: torch.randn(*s, device="cuda", generator=g, dtype=torch.bfloat16)  # noqa: E731
@@ -314,6 +322,9 @@ def decode_layer(ms=(16, 64)) -> list[dict]:
             pdl.ENABLED = False
             r["minite-bf16-no-pdl"], r["nvfp4-now-no-pdl"] = bench(lambda: minite(wb, True)), bench(lambda: minite(wq, True))
             pdl.ENABLED = True
+            gemm_mod.CHUNKS_OVERRIDE = 1  # every linear with one K chunk (other bits): what the chunks cost here
+            r["nvfp4-now-s1"] = bench(lambda: minite(wq, True))
+            gemm_mod.CHUNKS_OVERRIDE = None
             rows.append(r)
             print("# decode layer", json.dumps(r), flush=True)
     return rows
@@ -358,21 +369,21 @@ def main():
     if args.grouped_only:
         return
 
-    print("\n   N     K     M  S | cuBLAS bf16 | fp8 mm | naive deq | minite w4a4 | gemm only | no split  | combine kernel | wide tiles  | packed wide | w4a4 vs bf16 | TFLOP/s w4a4 (bf16)")
+    print("\n   N     K     M  S | cuBLAS bf16 | fp8 mm | naive deq | minite w4a4 | gemm only | no split  | combine kernel | wide tiles  | packed wide | S = 1     | w4a4 vs bf16 | TFLOP/s w4a4 (bf16)")
     for r in rows:
         flop = 2 * r["M"] * r["N"] * r["K"]
         print(f"{r['N']:5d} {r['K']:5d} {r['M']:5d} {r['S']:2d} | {us(r['cublas-bf16'])}us | {us(r['fp8-scaled-mm'])} | {us(r['naive-deq'])} |"
               f" {us(r['minite-w4a4'])}   | {us(r['minite-gemm'])} | {us(r.get('minite-gemm-walk'))} | {us(r.get('minite-gemm-combine-kernel'))}      |"
               f" {us(r.get('minite-gemm-wide-tiles'))}   |"
-              f" {us(r.get('minite-gemm-packed'))}   |"
+              f" {us(r.get('minite-gemm-packed'))}   | {us(r.get('minite-gemm-s1'))} |"
               f" {r['cublas-bf16'] / r['minite-w4a4']:6.2f}x      | {flop / r['minite-w4a4'] / 1e12:7.1f} ({flop / r['cublas-bf16'] / 1e12:6.1f})")
     print(f"\nquantize 8192x4096 bf16: {qbw['quantize_GBps']:.0f} GB/s vs copy {qbw['copy_GBps']:.0f} GB/s = {qbw['ratio']:.2f}")
-    print("\nmodel    M | cuBLAS bf16 | minite bf16 | nvfp4 before | nvfp4 now | now vs before | now vs minite bf16 | no PDL: bf16, nvfp4"
+    print("\nmodel    M | cuBLAS bf16 | minite bf16 | nvfp4 before | nvfp4 now | now vs before | now vs minite bf16 | no PDL: bf16, nvfp4 | nvfp4 S = 1"
           " (a layer's linears)")
     for r in layer:
         print(f"decode {r['model']:4s} {r['M']:3d} | {us(r['cublas-bf16'])}us | {us(r['minite-bf16'])}us | {us(r['nvfp4-before'])}us  |"
               f" {us(r['nvfp4-now'])}us | {r['nvfp4-before'] / r['nvfp4-now']:6.2f}x       | {r['minite-bf16'] / r['nvfp4-now']:6.2f}x"
-              f"            | {us(r['minite-bf16-no-pdl'])}us {us(r['nvfp4-now-no-pdl'])}us")
+              f"            | {us(r['minite-bf16-no-pdl'])}us {us(r['nvfp4-now-no-pdl'])}us | {us(r['nvfp4-now-s1'])}us")
 
 
 if __name__ == "__main__":

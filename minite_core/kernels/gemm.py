@@ -429,10 +429,13 @@ SPLIT_K = True  # bench/gemm.py only: False runs the chunk walk in one program f
 # Split chunks are added by the tile's last program to finish (an arrival counter per tile: no second launch);
 # False: by `_combine_kernel` (the same additions; bench/gemm.py compares the two)
 COMBINE_IN_KERNEL = True
+CHUNKS_OVERRIDE: int | None = None  # bench/gemm.py only: time another S (other bits, the same for every M)
 
 
 def k_chunks(n: int, k: int) -> int:
     """S, the number of K chunks for an (N, K) weight: a function of (N, K) only, never of M."""
+    if CHUNKS_OVERRIDE is not None:
+        return CHUNKS_OVERRIDE
     if interpreting():  # small shapes: 8 programs, BLOCK_N = 32, BLOCK_K = 64, so the tests get S = 1, 2, 4
         target, tile_n, block_k = 8, 32, 64
     else:
