@@ -214,6 +214,9 @@ def sm90_cases() -> list[tuple]:
                   dict(D=128, BLOCK_M=bm, BLOCK_N=bn, SPLIT_N=sn, DOT_BY_SUM=False, IEEE=False, HAS_KVROW=True),
                   dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=16, num_warps=att_mod.NUM_WARPS, num_stages=1),
                   ("spb", "spr", "NGRP", "GPK", "ROWS", "TK", "NSPLIT", "CPS"), 1, _ATT_PTRS))
+    cases.append(("attention_combine", att_mod._combine_kernel, dict(D=128, BLOCK_R=16),
+                  dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=16, num_warps=4, num_stages=1),
+                  ("sob", "sog", "sor", "NGRP", "ROWS", "NSPLIT"), 1, _ATT_PTRS))
     return [(name, kern, dict(const, PDL=True) if "PDL" in kern.arg_names else const, *rest)
             for name, kern, const, *rest in cases]
 

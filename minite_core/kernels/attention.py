@@ -178,8 +178,10 @@ def _attention_kernel(
 @triton.jit(do_not_specialize=["NGRP", "ROWS", "NSPLIT"])
 def _combine_kernel(
     O, MS, LS, ACCS, sob, sog, sor, NGRP, ROWS, NSPLIT,
-    D: tl.constexpr, BLOCK_R: tl.constexpr,
+    D: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # first: before any global memory access (kernels/pdl.py)
+        pdl.prologue()
     bg = tl.program_id(0)
     b = bg // NGRP
     grp = bg % NGRP
@@ -271,7 +273,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
         br = 16
         _combine_kernel[(b * ngrp, triton.cdiv(rows, br))](
             out, ms, ls, accs, out.stride(0), sog, sor, ngrp, rows, nsplit,
-            D=d, BLOCK_R=br, num_warps=4, enable_fp_fusion=False,
+            D=d, BLOCK_R=br, num_warps=4, enable_fp_fusion=False, **pdl.launch(q.device),
         )
     return out
 

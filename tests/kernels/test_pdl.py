@@ -17,8 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # every kernel of the decode step's chain takes PDL (a norm, the GEMMs, q/k norm + RoPE, attention, SiLU * up,
 # the activation quantize)
-DECODE_CHAIN = {"_gemm_kernel", "_rms_norm_fwd_kernel", "_silu_mul_fwd_kernel", "_silu_mul_quantize_kernel",
-                "_quantize_kernel", "_qk_norm_rope_kernel", "_attention_kernel"}
+DECODE_CHAIN = {f"minite_core.kernels.{k}" for k in (
+    "gemm._gemm_kernel", "rows._rms_norm_fwd_kernel", "rows._silu_mul_fwd_kernel", "rows._silu_mul_quantize_kernel",
+    "quantize._quantize_kernel", "qk_norm_rope._qk_norm_rope_kernel", "attention._attention_kernel",
+    "attention._combine_kernel")}
 
 SCRIPT = r"""
 import importlib, json, pkgutil, re
@@ -32,19 +34,20 @@ for info in pkgutil.iter_modules(kpkg.__path__):
     mod = importlib.import_module(f"minite_core.kernels.{info.name}")
     for v in vars(mod).values():
         if isinstance(v, triton.runtime.JITFunction) and "PDL" in v.arg_names and v.__name__.startswith("_"):
-            takes[v.__name__] = None
+            takes[f"{v.__module__}.{v.__name__}"] = None
 access = re.compile(r"^\s*(?:@!?%p\d+\s+)?(ld|st|atom|red|cp\.async|prefetch)\.(?!param|shared|local|const)\S*")
 seen = set()
 for name, kern, const, cfg, ones, m, *ptrs in gp.sm90_cases():
-    if not const.get("PDL") or kern.__name__ in seen:
+    key = f"{kern.__module__}.{kern.__name__}"
+    if not const.get("PDL") or key in seen:
         continue
-    seen.add(kern.__name__)
+    seen.add(key)
     ptx = gp.compile_sm90(kern, const, cfg["num_warps"], cfg["num_stages"], ones, *ptrs).asm["ptx"]
     lines = ptx.splitlines()
     wait = next((i for i, l in enumerate(lines) if "griddepcontrol.wait" in l), None)
     release = next((i for i, l in enumerate(lines) if "griddepcontrol.launch_dependents" in l), None)
     first = next((i for i, l in enumerate(lines) if access.match(l)), None)
-    takes[kern.__name__] = dict(case=name, wait=wait, release=release, first_access=first,
+    takes[key] = dict(case=name, wait=wait, release=release, first_access=first,
                                 first_line=lines[first].strip() if first is not None else None)
 print(json.dumps(takes))
 """
