@@ -270,8 +270,6 @@ def _gemm_kernel(
     finishes (sums the partials in chunk order, the epilogue), else `_combine_kernel` does, the same
     operations; not SPLIT: the program walks every chunk in order and finishes itself, on packed operands
     or (DECODED) on `decode_nvfp4`'s fp16 ones. grid_n: the tile columns of all the weights."""
-    if PDL:  # first: before any global memory access (kernels/pdl.py)
-        pdl.prologue()
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     group = pid // (GROUP_M * grid_n)
@@ -289,6 +287,16 @@ def _gemm_kernel(
     offs_n = (pid_n - _pick(seg, 0, t1, t2, NSEG)) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
+    if PDL:  # before any global memory access but L2 prefetches (kernels/pdl.py)
+        if SWAP_AB:  # decode: the weight rows stream into L2 while the previous kernel finishes
+            if FP4:
+                k_lo = tl.program_id(1) * chunk_k if SPLIT else 0
+                k_hi = tl.minimum(k_lo + chunk_k, K) if SPLIT else K
+                pdl.prefetch_rows(b_ptr, offs_n, N, stride_bn, k_lo // 2, k_hi // 2)
+                pdl.prefetch_rows(_pick(seg, bs0, bs1, bs2, NSEG), offs_n, N, stride_bsn, k_lo // 16, k_hi // 16)
+            else:
+                pdl.prefetch_rows(b_ptr, offs_n, N, stride_bn, 0, K)
+        pdl.prologue()
     if FP4:
         bs_ptr = _pick(seg, bs0, bs1, bs2, NSEG)
         if SPLIT:

@@ -11,10 +11,14 @@ one before.
 
 The rule that keeps it correct: a kernel launched with PDL calls `wait` before it touches global memory
 (reads of what an earlier kernel wrote, and writes to what an earlier kernel may still read), so `prologue`
-is the first statement of every such kernel here. Completion is transitive (a kernel completes only after
-its own wait returned, so after its predecessor completed), and a kernel launched without the attribute
-(torch's) waits for the whole previous grid as usual. Nothing changes in what a program computes, so the
+comes before every load and store of every such kernel here (tests/kernels/test_pdl.py checks the PTX).
+Completion is transitive (a kernel completes only after its own wait returned, so after its predecessor
+completed), and a kernel launched without the attribute (torch's) waits for the whole previous grid. Nothing changes in what a program computes, so the
 bits are those of the plain launch.
+
+What a kernel may do before its wait: work on registers, and prefetch into L2 (`prefetch_rows`). The
+decode GEMMs (swapped tiles, M <= 128) prefetch their weight rows there, so the weight stream, the bytes a
+decode step is made of, overlaps the previous kernel instead of starting after it.
 
 Off under the Triton interpreter (it cannot run the PTX) and on GPUs before sm_90; `MINITE_PDL=0` turns it
 off (bench/gemm.py and bench/rollout.py time both).
@@ -26,6 +30,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 ENABLED = os.environ.get("MINITE_PDL", "1") != "0"
@@ -53,3 +58,14 @@ def prologue():
     the previous grid, then let the next one launch."""
     gdc_wait()
     gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_rows(base, rows, n_rows, stride, lo, hi):
+    """Prefetch into L2 elements [lo, hi) of rows `rows` (clamped to n_rows - 1) of a row-major tensor at `base`
+    (row stride `stride` elements): one request per 128-byte line. Allowed before `prologue`: a prefetch binds
+    nothing, and L2 is where every SM's writes meet, so a later load after the wait sees the current bytes."""
+    step: tl.constexpr = 1024 // base.dtype.element_ty.primitive_bitwidth  # elements per 128 bytes
+    r = base + tl.minimum(rows, n_rows - 1).to(tl.int64) * stride
+    for e in range(lo, hi, step):
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [r + e], dtype=tl.int32, is_pure=False, pack=1)

@@ -35,7 +35,8 @@ for info in pkgutil.iter_modules(kpkg.__path__):
     for v in vars(mod).values():
         if isinstance(v, triton.runtime.JITFunction) and "PDL" in v.arg_names and v.__name__.startswith("_"):
             takes[f"{v.__module__}.{v.__name__}"] = None
-access = re.compile(r"^\s*(?:@!?%p\d+\s+)?(ld|st|atom|red|cp\.async|prefetch)\.(?!param|shared|local|const)\S*")
+access = re.compile(r"^\s*(?:@!?%p\d+\s+)?(ld|st|atom|red|cp\.async)\.(?!param|shared|local|const)\S*")
+prefetch = re.compile(r"^\s*(?:@!?%p\d+\s+)?prefetch\.global\.L2\b")
 seen = set()
 for name, kern, const, cfg, ones, m, *ptrs in gp.sm90_cases():
     key = f"{kern.__module__}.{kern.__name__}"
@@ -47,7 +48,8 @@ for name, kern, const, cfg, ones, m, *ptrs in gp.sm90_cases():
     wait = next((i for i, l in enumerate(lines) if "griddepcontrol.wait" in l), None)
     release = next((i for i, l in enumerate(lines) if "griddepcontrol.launch_dependents" in l), None)
     first = next((i for i, l in enumerate(lines) if access.match(l)), None)
-    takes[key] = dict(case=name, wait=wait, release=release, first_access=first,
+    pre = sum(1 for l in lines[:wait] if prefetch.match(l)) if wait is not None else 0
+    takes[key] = dict(case=name, wait=wait, release=release, first_access=first, prefetches_before_wait=pre,
                                 first_line=lines[first].strip() if first is not None else None)
 print(json.dumps(takes))
 """
@@ -72,3 +74,10 @@ def test_every_pdl_kernel_waits_before_touching_memory(compiled):
         assert r["first_access"] is not None and r["wait"] < r["first_access"], \
             f"{kernel} ({r['case']}): global memory access before the wait: {r['first_line']}"
         assert r["release"] is not None and r["wait"] < r["release"], f"{kernel}: launch_dependents before the wait"
+
+
+def test_decode_gemm_prefetches_its_weights_before_waiting(compiled):
+    # the first GEMM case is a decode one (M = 1, swapped tiles): its weight rows go to L2 before the wait
+    r = compiled["minite_core.kernels.gemm._gemm_kernel"]
+    assert "swap" in r["case"], r["case"]
+    assert r["prefetches_before_wait"] > 0, r
