@@ -279,7 +279,7 @@ def decode_layer(ms=(16, 64)) -> list[dict]:
       nvfp4-before  NVFP4, each linear alone: seven activation quantizes, seven GEMM launches
       nvfp4-now     NVFP4 as the model runs it: RMSNorm and SiLU*up quantize their output in the same kernel,
                     q/k/v and gate/up in one GEMM launch each
-    and the two last ones again with programmatic dependent launch off (`kernels/pdl.py`; on by default),
+    and the two last ones again with programmatic dependent launch on (`kernels/pdl.py`; off by default),
     and nvfp4-now with one K chunk per linear (S = 1).
     The attention output (the o_proj input) is a random activation; attention itself is not timed."""
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -319,9 +319,9 @@ def decode_layer(ms=(16, 64)) -> list[dict]:
 
             r = {"model": name, "M": m, "cublas-bf16": bench(cublas), "minite-bf16": bench(lambda: minite(wb, True)),
                  "nvfp4-before": bench(lambda: minite(wq, False)), "nvfp4-now": bench(lambda: minite(wq, True))}
-            pdl.ENABLED = False
-            r["minite-bf16-no-pdl"], r["nvfp4-now-no-pdl"] = bench(lambda: minite(wb, True)), bench(lambda: minite(wq, True))
-            pdl.ENABLED = True
+            default, pdl.ENABLED = pdl.ENABLED, True
+            r["minite-bf16-pdl"], r["nvfp4-now-pdl"] = bench(lambda: minite(wb, True)), bench(lambda: minite(wq, True))
+            pdl.ENABLED = default
             gemm_mod.CHUNKS_OVERRIDE = 1  # every linear with one K chunk (other bits): what the chunks cost here
             r["nvfp4-now-s1"] = bench(lambda: minite(wq, True))
             gemm_mod.CHUNKS_OVERRIDE = None
@@ -378,12 +378,12 @@ def main():
               f" {us(r.get('minite-gemm-packed'))}   | {us(r.get('minite-gemm-s1'))} |"
               f" {r['cublas-bf16'] / r['minite-w4a4']:6.2f}x      | {flop / r['minite-w4a4'] / 1e12:7.1f} ({flop / r['cublas-bf16'] / 1e12:6.1f})")
     print(f"\nquantize 8192x4096 bf16: {qbw['quantize_GBps']:.0f} GB/s vs copy {qbw['copy_GBps']:.0f} GB/s = {qbw['ratio']:.2f}")
-    print("\nmodel    M | cuBLAS bf16 | minite bf16 | nvfp4 before | nvfp4 now | now vs before | now vs minite bf16 | no PDL: bf16, nvfp4 | nvfp4 S = 1"
+    print("\nmodel    M | cuBLAS bf16 | minite bf16 | nvfp4 before | nvfp4 now | now vs before | now vs minite bf16 | with PDL: bf16, nvfp4 | nvfp4 S = 1"
           " (a layer's linears)")
     for r in layer:
         print(f"decode {r['model']:4s} {r['M']:3d} | {us(r['cublas-bf16'])}us | {us(r['minite-bf16'])}us | {us(r['nvfp4-before'])}us  |"
               f" {us(r['nvfp4-now'])}us | {r['nvfp4-before'] / r['nvfp4-now']:6.2f}x       | {r['minite-bf16'] / r['nvfp4-now']:6.2f}x"
-              f"            | {us(r['minite-bf16-no-pdl'])}us {us(r['nvfp4-now-no-pdl'])}us | {us(r['nvfp4-now-s1'])}us")
+              f"            | {us(r['minite-bf16-pdl'])}us {us(r['nvfp4-now-pdl'])}us | {us(r['nvfp4-now-s1'])}us")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ seconds (prefill included, as a user of `generate` sees it). One warm-up run of 
 Peers, all on the same random-weight checkpoint:
 - minite-nvfp4: RolloutEngine, W4A4 weights and activations, Triton backend, CUDA-graph decode;
 - minite-bf16:  the same engine with bf16 weights (Triton plain GEMM);
-- minite-nvfp4-no-pdl, minite-bf16-no-pdl (only when named in --peers): the two with programmatic dependent
-  launch off (`kernels/pdl.py`);
+- minite-nvfp4-pdl, minite-bf16-pdl (only when named in --peers): the two with programmatic dependent
+  launch on (`kernels/pdl.py`, off by default);
 - minite-bf16-free: the same bf16 engine with the "free" knobs (cuBLAS matmul, torch SDPA attention), i.e.
   what the aligned kernels cost (eager: the knobs are not graph-captured);
 - hf-dynamic:   transformers generate, bf16, sdpa, dynamic KV cache;
@@ -36,7 +36,7 @@ from minite_core.kernels import pdl  # noqa: E402
 from minite_core.model import load_model  # noqa: E402
 from minite_core.model.random_init import random_checkpoint  # noqa: E402
 
-PEERS = ("minite-nvfp4", "minite-bf16", "minite-bf16-free", "hf-dynamic", "hf-static")  # and the two no-pdl on request
+PEERS = ("minite-nvfp4", "minite-bf16", "minite-bf16-free", "hf-dynamic", "hf-static")  # and the two -pdl on request
 
 
 def prompts_for(cfg, batch: int, length: int, seed: int = 0) -> torch.Tensor:
@@ -118,7 +118,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/rollout.py needs a CUDA device")
-    start = time.perf_counter()
+    start, default_pdl = time.perf_counter(), pdl.ENABLED
     if args.profile:
         return profile(args)
     rows = []
@@ -134,7 +134,7 @@ def main() -> None:
                     try:
                         if peer.startswith("minite"):
                             precision = "nvfp4" if peer.startswith("minite-nvfp4") else "bf16"
-                            pdl.ENABLED = not peer.endswith("no-pdl")  # read at launch (and graph capture) time
+                            pdl.ENABLED = peer.endswith("-pdl") or default_pdl  # read at launch (and capture) time
                             knobs = {"matmul": "library", "attention": "sdpa"} if peer.endswith("free") else {}
                             run, keep = minite_runner(path, precision, knobs, batch, args.prompt, args.new)
                         else:
@@ -146,7 +146,7 @@ def main() -> None:
                         del run, keep
                     except Exception as e:  # one failing row must not cost the others
                         print(f"{name} {peer} b{batch}: FAILED {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
-                    pdl.ENABLED = True
+                    pdl.ENABLED = default_pdl
                     torch.cuda.empty_cache()
     print(f"\nrollout decode, {args.prompt}-token prompts, {args.new} new tokens, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}")

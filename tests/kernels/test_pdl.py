@@ -1,8 +1,8 @@
 """Programmatic dependent launch (`kernels/pdl.py`): a kernel launched with PDL may start while the previous
 grid still runs, so it must wait (`griddepcontrol.wait`) before its first global memory access. Checked on
 the PTX each such kernel compiles to for sm_90, on the CPU (Triton compiles for a GPU target without one;
-the GPU runs of the engine tests run with PDL on). Compiled in a subprocess: the compiler cannot run under
-TRITON_INTERPRET, which this test session sets."""
+on the GPU, `MINITE_PDL=1 bash bench/gpu_session.sh tests` runs the engine tests with PDL on). Compiled in a
+subprocess: the compiler cannot run under TRITON_INTERPRET, which this test session sets."""
 from __future__ import annotations
 
 import json
