@@ -3,8 +3,11 @@
 #   bash bench/gpu_session.sh [tests] [rollout] [learner] [attention] [gemm]   (default: all)
 # ROLLOUT_ARGS / LEARNER_ARGS / GEMM_ARGS override the benchmarks' arguments, ROLLOUT_TIMEOUT / LEARNER_TIMEOUT
 # their time limits (s). A summary table comes last.
-# All of it does not fit one 600 s device call (the tests alone need ~250 s cold: Triton compiles): run
-# `tests gemm` in one call and `rollout learner attention` in the next, on the same warm machine.
+# All of it does not fit one 600 s device call (the tests alone need more than 300 s cold: Triton compiles):
+# run `tests gemm` in one call and `rollout learner attention` in the next, on the same warm machine.
+# The Triton cache comes back as $OUT/triton-cache.tgz (when under the 16 MiB a returned file may have):
+# copy it to .triton-cache.tgz (git-ignored) and carry it (`carry: [".whl", ".triton-cache.tgz"]`), and the
+# next session's first call starts with the kernels of unchanged sources compiled.
 set -u
 OUT=${OUT:-/tmp/minite-gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -12,6 +15,9 @@ parts=${*:-tests rollout learner attention gemm}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 git log --oneline -1 | tee -a "$OUT/device.txt"
+if [ -f .triton-cache.tgz ]; then
+  mkdir -p ~/.triton && tar xzf .triton-cache.tgz -C ~/.triton && echo "triton cache: $(ls ~/.triton/cache | wc -l) entries carried"
+fi
 for p in $parts; do
   t0=$(date +%s)
   case $p in
@@ -29,6 +35,7 @@ for p in $parts; do
   esac
   echo "== $p: $(( $(date +%s) - t0 )) s"
 done
+tar czf "$OUT/triton-cache.tgz" -C ~/.triton cache 2>/dev/null && ls -l "$OUT/triton-cache.tgz" | awk '{print "triton cache:", $5, "bytes"}'
 # the short table last: the figures issue 18's targets are about, from the logs above
 echo "== summary"
 [ -f "$OUT/tests.txt" ] && echo "tests:    $(grep -E '[0-9]+ (passed|failed)' "$OUT/tests.txt" | tail -1)"
