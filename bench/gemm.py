@@ -14,6 +14,8 @@ For each shape (N, K) and M it times, with triton.testing.do_bench_cudagraph (me
                 last program (COMBINE_IN_KERNEL = False; same bits, checked: combine-same-bits)
   minite-gemm-packed M > 128: the same bits from the packed operands decoded in every tile (DECODE_WIDE = False;
                 the default decodes both operands once, `decode-both`, and runs the tile on fp16)
+  minite-gemm-x-decoded M <= 128: the activation decoded once by its own launch, the tile decoding only the
+                weight (DECODE_X_MIN_M = 1; same bits)
   minite-gemm-s1 S > 1: the GEMM with one K chunk (CHUNKS_OVERRIDE = 1): what the chunks cost, or save, at
                 this M (a different reduction order: S is one per (N, K) for every M, so a change of S
                 changes the bits of the rollout and the learner alike)
@@ -93,7 +95,7 @@ def tile_config_check(n: int, k: int) -> dict:
 
 def run(quick: bool) -> list[dict]:
     rows = []
-    ms = [1, 16, 4096] if quick else MS
+    ms = [1, 16, 64, 4096] if quick else MS
     for n, k in SHAPES:
         g = torch.Generator(device="cuda").manual_seed(0)
         w32 = torch.randn(n, k, device="cuda", generator=g) * 0.02
@@ -132,6 +134,10 @@ def run(quick: bool) -> list[dict]:
                 r["minite-gemm-combine-kernel"] = bench(lambda: gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16))
                 r["combine-same-bits"] = torch.equal(in_kernel, gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16))
                 gemm_mod.COMBINE_IN_KERNEL = True
+            if m <= gemm_mod.SWAP_MAX_M:  # the activation decoded by its own launch, the tile decodes the weight only
+                gemm_mod.DECODE_X_MIN_M = 1
+                r["minite-gemm-x-decoded"] = bench(lambda: gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16))
+                gemm_mod.DECODE_X_MIN_M = None
             if r["S"] > 1:  # what the K chunks cost: S = 1 (a different reduction order, so other bits)
                 gemm_mod.CHUNKS_OVERRIDE = 1
                 r["minite-gemm-s1"] = bench(lambda: gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16))
@@ -280,7 +286,8 @@ def decode_layer(ms=(16, 64)) -> list[dict]:
       nvfp4-now     NVFP4 as the model runs it: RMSNorm and SiLU*up quantize their output in the same kernel,
                     q/k/v and gate/up in one GEMM launch each
     and the two last ones again with programmatic dependent launch on (`kernels/pdl.py`; off by default),
-    and nvfp4-now with one K chunk per linear (S = 1).
+    nvfp4-now with the activations decoded by their own launch (DECODE_X_MIN_M = 1), and with one K chunk per
+    linear (S = 1).
     The attention output (the o_proj input) is a random activation; attention itself is not timed."""
     g = torch.Generator(device="cuda").manual_seed(0)
     rnd = lambda *s: torch.randn(*s, device="cuda", generator=g, dtype=torch.bfloat16)  # noqa: E731
@@ -322,6 +329,9 @@ def decode_layer(ms=(16, 64)) -> list[dict]:
             default, pdl.ENABLED = pdl.ENABLED, True
             r["minite-bf16-pdl"], r["nvfp4-now-pdl"] = bench(lambda: minite(wb, True)), bench(lambda: minite(wq, True))
             pdl.ENABLED = default
+            gemm_mod.DECODE_X_MIN_M = 1  # the activations decoded by their own launch (same bits)
+            r["nvfp4-now-x-decoded"] = bench(lambda: minite(wq, True))
+            gemm_mod.DECODE_X_MIN_M = None
             gemm_mod.CHUNKS_OVERRIDE = 1  # every linear with one K chunk (other bits): what the chunks cost here
             r["nvfp4-now-s1"] = bench(lambda: minite(wq, True))
             gemm_mod.CHUNKS_OVERRIDE = None
@@ -369,21 +379,22 @@ def main():
     if args.grouped_only:
         return
 
-    print("\n   N     K     M  S | cuBLAS bf16 | fp8 mm | naive deq | minite w4a4 | gemm only | no split  | combine kernel | wide tiles  | packed wide | S = 1     | w4a4 vs bf16 | TFLOP/s w4a4 (bf16)")
+    print("\n   N     K     M  S | cuBLAS bf16 | fp8 mm | naive deq | minite w4a4 | gemm only | no split  | combine kernel | wide tiles  | packed wide | x decoded | S = 1     | w4a4 vs bf16 | TFLOP/s w4a4 (bf16)")
     for r in rows:
         flop = 2 * r["M"] * r["N"] * r["K"]
         print(f"{r['N']:5d} {r['K']:5d} {r['M']:5d} {r['S']:2d} | {us(r['cublas-bf16'])}us | {us(r['fp8-scaled-mm'])} | {us(r['naive-deq'])} |"
               f" {us(r['minite-w4a4'])}   | {us(r['minite-gemm'])} | {us(r.get('minite-gemm-walk'))} | {us(r.get('minite-gemm-combine-kernel'))}      |"
               f" {us(r.get('minite-gemm-wide-tiles'))}   |"
-              f" {us(r.get('minite-gemm-packed'))}   | {us(r.get('minite-gemm-s1'))} |"
+              f" {us(r.get('minite-gemm-packed'))}   | {us(r.get('minite-gemm-x-decoded'))} | {us(r.get('minite-gemm-s1'))} |"
               f" {r['cublas-bf16'] / r['minite-w4a4']:6.2f}x      | {flop / r['minite-w4a4'] / 1e12:7.1f} ({flop / r['cublas-bf16'] / 1e12:6.1f})")
     print(f"\nquantize 8192x4096 bf16: {qbw['quantize_GBps']:.0f} GB/s vs copy {qbw['copy_GBps']:.0f} GB/s = {qbw['ratio']:.2f}")
-    print("\nmodel    M | cuBLAS bf16 | minite bf16 | nvfp4 before | nvfp4 now | now vs before | now vs minite bf16 | with PDL: bf16, nvfp4 | nvfp4 S = 1"
+    print("\nmodel    M | cuBLAS bf16 | minite bf16 | nvfp4 before | nvfp4 now | now vs before | now vs minite bf16 | with PDL: bf16, nvfp4 | nvfp4 x decoded | nvfp4 S = 1"
           " (a layer's linears)")
     for r in layer:
         print(f"decode {r['model']:4s} {r['M']:3d} | {us(r['cublas-bf16'])}us | {us(r['minite-bf16'])}us | {us(r['nvfp4-before'])}us  |"
               f" {us(r['nvfp4-now'])}us | {r['nvfp4-before'] / r['nvfp4-now']:6.2f}x       | {r['minite-bf16'] / r['nvfp4-now']:6.2f}x"
-              f"            | {us(r['minite-bf16-pdl'])}us {us(r['nvfp4-now-pdl'])}us | {us(r['nvfp4-now-s1'])}us")
+              f"            | {us(r['minite-bf16-pdl'])}us {us(r['nvfp4-now-pdl'])}us | {us(r['nvfp4-now-x-decoded'])}us |"
+              f" {us(r['nvfp4-now-s1'])}us")
 
 
 if __name__ == "__main__":

@@ -70,6 +70,8 @@ def _source(kernel, constexprs: dict, scalars_one: tuple, ptrs: dict | None = No
     ptrs = dict(ptrs or _PTRS)
     if constexprs.get("DECODED"):
         ptrs.update({a: "*fp16" for a in ("a_ptr", "as_ptr", "b0", "bs0", "b1", "bs1", "b2", "bs2")})
+    elif constexprs.get("A_DECODED"):
+        ptrs.update({a: "*fp16" for a in ("a_ptr", "as_ptr")})
 
     names = kernel.arg_names
     sig, attrs = {}, {}
@@ -154,16 +156,17 @@ def sm90_cases() -> list[tuple]:
     cases = []
     # SHAPE (S = 2), plus the Qwen3-0.6B decode shape 1024 x 1024 (S = 8) and N = 16384 (S = 1)
     for (n_, k_), ms in ((SHAPE, (1, 16, 32, 64, 128, 4096)), ((1024, 1024), (16, 64, 4096)), ((16384, 4096), (4096,))):
-        for m in ms:
-            cfg = _gpu_config(m, n_, k_)
-            for nseg in ((1, 3) if (n_, k_) == (1024, 1024) else (1,)):  # 3: a layer's q/k/v in one launch
+        for m, a_dec in [(m, False) for m in ms] + ([(64, True)] if (n_, k_) == (1024, 1024) else []):
+            cfg = dict(_gpu_config(m, n_, k_), A_DECODED=a_dec)  # a_dec: the activation decoded (DECODE_X_MIN_M)
+            for nseg in ((1, 3) if (n_, k_) == (1024, 1024) and not a_dec else (1,)):  # 3: q/k/v in one launch
                 const = dict(FP4=True, DOT_FP32=False, DOT_BY_SUM=False, EVEN_K=True, HAS_BIAS=False,
                              SWAP_AB=cfg["SWAP_AB"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                              GROUP_M=cfg["GROUP_M"], CHUNKED=cfg["CHUNKS"] > 1, SPLIT=cfg["SPLIT"],
-                             DECODED=cfg["DECODED"], NSEG=nseg, FIXUP=cfg["SPLIT"] and gemm_mod.COMBINE_IN_KERNEL)
+                             DECODED=cfg["DECODED"], A_DECODED=a_dec, NSEG=nseg,
+                             FIXUP=cfg["SPLIT"] and gemm_mod.COMBINE_IN_KERNEL)
                 kind = "split" if cfg["SPLIT"] else ("walk" if cfg["CHUNKS"] > 1 else "one")
                 name = (f"dense_{n_}x{k_}_M{m}_S{cfg['CHUNKS']}{kind}_{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}_"
-                        f"{'swap' if cfg['SWAP_AB'] else 'wide'}{'_decoded' if cfg['DECODED'] else ''}"
+                        f"{'swap' if cfg['SWAP_AB'] else 'wide'}{'_decoded' if cfg['DECODED'] else ''}{'_xdecoded' if a_dec else ''}"
                         f"{f'_{nseg}weights' if nseg > 1 else ''}_w{cfg['num_warps']}s{cfg['num_stages']}")
                 cases.append((name, gemm_mod._gemm_kernel, const, cfg, (), m))
     # the plain bf16 GEMM (BF16 models' linears, every model's lm_head): swapped at decode, 128x128 above
@@ -173,7 +176,7 @@ def sm90_cases() -> list[tuple]:
         cfg = _gpu_config(m, 151936, 1024, fp4=False)
         const = dict(FP4=False, DOT_FP32=False, DOT_BY_SUM=False, EVEN_K=True, HAS_BIAS=False, SWAP_AB=cfg["SWAP_AB"],
                      BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-                     CHUNKED=False, SPLIT=False, DECODED=False, NSEG=1, FIXUP=False)
+                     CHUNKED=False, SPLIT=False, DECODED=False, A_DECODED=False, NSEG=1, FIXUP=False)
         name = (f"plain_bf16_151936x1024_M{m}_{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}_"
                 f"{'swap' if cfg['SWAP_AB'] else 'wide'}_w{cfg['num_warps']}s{cfg['num_stages']}")
         cases.append((name, gemm_mod._gemm_kernel, const, cfg, (), m, plain_ptrs))
@@ -269,7 +272,7 @@ def launch(xq, wq, m, n, k):
 
     cfg = dict(gemm_mod.gemm_config(m, n, k, True))
     c = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    xd = gemm_mod.decode_nvfp4(xq, cfg["BLOCK_K"]) if cfg["DECODED"] else None
+    xd = gemm_mod.decode_nvfp4(xq, cfg["BLOCK_K"]) if cfg["DECODED"] or cfg["A_DECODED"] else None
     return cfg, gemm_mod._launch(xq, xd, [(wq, None, c)], cfg, True)
 
 

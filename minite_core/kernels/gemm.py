@@ -128,6 +128,7 @@ def w4a4_tile(
     stride_am, stride_asm, stride_bn, stride_bsn,
     EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, CHUNKED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODED: tl.constexpr = False,
+    A_DECODED: tl.constexpr = False,
 ):
     """sum_k (code * block scale)_x[m, k] * (code * block scale)_w[n, k] over k in [k_lo, k_hi) for one
     [BLOCK_M, BLOCK_N] tile, fp32.
@@ -144,6 +145,7 @@ def w4a4_tile(
     DECODED: a and b are fp16 [rows, cdiv(K, BLOCK_K) * BLOCK_K] already decoded by `decode_nvfp4`
     (code * block scale, each BLOCK_K step laid out as its even elements then its odd ones, zeros past K):
     the tile loads the two halves instead of decoding bytes, and feeds the same values to the same dots.
+    A_DECODED: only a (the activations) comes decoded; b is decoded from its packed bytes in the tile.
     """
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -154,26 +156,30 @@ def w4a4_tile(
         k0 = tl.multiple_of(k0, BLOCK_K)  # k_lo is a multiple of BLOCK_K: keeps the loads vectorized
         kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte (= element pair) index
         ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)  # block-scale index
-        if DECODED:  # fp16 code * scale, the step's evens then its odds (zero-padded to whole steps)
-            kh = k0 + tl.arange(0, BLOCK_K // 2)
+        kh = k0 + tl.arange(0, BLOCK_K // 2)  # decoded operands: the step's evens, then its odds (zero-padded)
+        if EVEN_K:  # no mask along K, so the byte loads vectorize
+            mask_ak, mask_bk = mask_m[:, None], mask_n[:, None]
+            mask_as, mask_bs = mask_m[:, None], mask_n[:, None]
+        else:
+            mask_ak, mask_bk = mask_m[:, None] & (kp < K // 2)[None, :], mask_n[:, None] & (kp < K // 2)[None, :]
+            mask_as, mask_bs = mask_m[:, None] & (ks < K // 16)[None, :], mask_n[:, None] & (ks < K // 16)[None, :]
+        if DECODED or A_DECODED:  # fp16 code * scale
             a_even = tl.load(a_ptr + offs_m[:, None] * stride_am + kh[None, :], mask=mask_m[:, None], other=0.0)
             a_odd = tl.load(a_ptr + offs_m[:, None] * stride_am + (kh + BLOCK_K // 2)[None, :], mask=mask_m[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptr + offs_m[:, None] * stride_am + kp[None, :], mask=mask_ak, other=0)
+        if DECODED:
             b_even = tl.load(b_ptr + offs_n[:, None] * stride_bn + kh[None, :], mask=mask_n[:, None], other=0.0)
             b_odd = tl.load(b_ptr + offs_n[:, None] * stride_bn + (kh + BLOCK_K // 2)[None, :], mask=mask_n[:, None], other=0.0)
-        elif EVEN_K:  # no mask along K, so the byte loads vectorize
-            a = tl.load(a_ptr + offs_m[:, None] * stride_am + kp[None, :], mask=mask_m[:, None], other=0)
-            b = tl.load(b_ptr + offs_n[:, None] * stride_bn + kp[None, :], mask=mask_n[:, None], other=0)
-            sa = tl.load(as_ptr + offs_m[:, None] * stride_asm + ks[None, :], mask=mask_m[:, None], other=0)
-            sb = tl.load(bs_ptr + offs_n[:, None] * stride_bsn + ks[None, :], mask=mask_n[:, None], other=0)
         else:
-            kp_ok = kp < K // 2
-            ks_ok = ks < K // 16
-            a = tl.load(a_ptr + offs_m[:, None] * stride_am + kp[None, :], mask=mask_m[:, None] & kp_ok[None, :], other=0)
-            b = tl.load(b_ptr + offs_n[:, None] * stride_bn + kp[None, :], mask=mask_n[:, None] & kp_ok[None, :], other=0)
-            sa = tl.load(as_ptr + offs_m[:, None] * stride_asm + ks[None, :], mask=mask_m[:, None] & ks_ok[None, :], other=0)
-            sb = tl.load(bs_ptr + offs_n[:, None] * stride_bsn + ks[None, :], mask=mask_n[:, None] & ks_ok[None, :], other=0)
+            b = tl.load(b_ptr + offs_n[:, None] * stride_bn + kp[None, :], mask=mask_bk, other=0)
+        if not (DECODED or A_DECODED):
+            sa = tl.load(as_ptr + offs_m[:, None] * stride_asm + ks[None, :], mask=mask_as, other=0)
         if not DECODED:
+            sb = tl.load(bs_ptr + offs_n[:, None] * stride_bsn + ks[None, :], mask=mask_bs, other=0)
+        if not (DECODED or A_DECODED):
             a_even, a_odd = decode_step(a, sa, BLOCK_M, BLOCK_K)
+        if not DECODED:
             b_even, b_odd = decode_step(b, sb, BLOCK_N, BLOCK_K)
         if SWAP_AB:  # M <= 128: the weight tile is the MMA's first operand (kept in registers)
             acc_t = tl.dot(b_even, tl.trans(a_even), acc_t)
@@ -260,7 +266,7 @@ def _gemm_kernel(
     stride_am, stride_asm, stride_ags, stride_bn, stride_bsn,
     FP4: tl.constexpr, DOT_FP32: tl.constexpr, DOT_BY_SUM: tl.constexpr, EVEN_K: tl.constexpr, SWAP_AB: tl.constexpr, HAS_BIAS: tl.constexpr,
     CHUNKED: tl.constexpr, SPLIT: tl.constexpr, DECODED: tl.constexpr, NSEG: tl.constexpr, FIXUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    A_DECODED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):
     """x @ w_i.T for NSEG (1-3) weights w_i [n_i, K] of one launch, each into its own contiguous out c_i:
     the column tiles are aligned to the weights (t1, t2: the first tile column of weights 1 and 2), so a
@@ -269,7 +275,8 @@ def _gemm_kernel(
     weights' columns side by side); FIXUP: the tile's last program to count itself in `cnt_ptr` [tiles]
     finishes (sums the partials in chunk order, the epilogue), else `_combine_kernel` does, the same
     operations; not SPLIT: the program walks every chunk in order and finishes itself, on packed operands
-    or (DECODED) on `decode_nvfp4`'s fp16 ones. grid_n: the tile columns of all the weights."""
+    or (DECODED) on `decode_nvfp4`'s fp16 ones; A_DECODED: the activations come decoded, the weights packed.
+    grid_n: the tile columns of all the weights."""
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
     group = pid // (GROUP_M * grid_n)
@@ -304,7 +311,7 @@ def _gemm_kernel(
             k_lo = tl.multiple_of(pid_k * chunk_k, BLOCK_K)  # so the scale loads keep their vector width
             acc = w4a4_tile(a_ptr, as_ptr, b_ptr, bs_ptr, offs_m, mask_m, offs_n, mask_n, K, k_lo, tl.minimum(k_lo + chunk_k, K),
                             chunk_k, stride_am, stride_asm, stride_bn, stride_bsn, EVEN_K, SWAP_AB, False,
-                            BLOCK_M, BLOCK_N, BLOCK_K)  # one chunk: its raw chain c_i (no second accumulator)
+                            BLOCK_M, BLOCK_N, BLOCK_K, False, A_DECODED)  # one chunk: its raw chain c_i
             col = _pick(seg, 0, n0, n0 + n1, NSEG) + offs_n
             p = p_ptr + offs_m[:, None] * n_total + col[None, :]
             mask = mask_m[:, None] & mask_n[None, :]
@@ -323,7 +330,7 @@ def _gemm_kernel(
         else:
             acc = w4a4_tile(a_ptr, as_ptr, b_ptr, bs_ptr, offs_m, mask_m, offs_n, mask_n, K, 0, K, chunk_k,
                             stride_am, stride_asm, stride_bn, stride_bsn, EVEN_K, SWAP_AB, CHUNKED, BLOCK_M, BLOCK_N, BLOCK_K,
-                            DECODED)
+                            DECODED, A_DECODED)
             acc = w4a4_epilogue(acc, ags_ptr, stride_ags, _pick(seg, bgs0, bgs1, bgs2, NSEG), _pick(seg, sg0, sg1, sg2, NSEG),
                                 offs_m, mask_m, offs_n, mask_n)
             _store_out(acc, bias_ptr, c_ptr, N, offs_m, mask_m, offs_n, mask_n, HAS_BIAS)
@@ -418,6 +425,11 @@ FP4_BLOCK_K = 128  # the K order of every W4A4 config on the GPU (never per M)
 # values in the same dots, so the same bits, without the per-tile decode that holds the packed kernel to
 # ~0.3x of a bf16 GEMM. The small-M tiles keep the packed operands (bandwidth-bound: 0.56 bytes a weight).
 DECODE_WIDE = True
+# M <= SWAP_MAX_M: from this M up, the activation is decoded once (`decode_nvfp4`, one more launch) instead of
+# in every program (each of a row tile's N-tile programs decodes the same x step: at M = 64 half of the
+# tile's decode work); the weights stay packed. The same values in the same dots, so the same bits. None:
+# off, until bench/gemm.py's `a-decoded` column shows a gain on the GPU.
+DECODE_X_MIN_M: int | None = None
 DECODED_TILE = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)
 CONFIG_OVERRIDE: dict | None = None  # bench/gemm.py only: try other fixed configs
 
@@ -464,6 +476,7 @@ def gemm_config(m: int, n: int, k: int, fp4: bool) -> dict:
         chunks = k_chunks(n, k)
         cfg = dict(cfg, CHUNKS=chunks, SPLIT=bool(SPLIT_K and chunks > 1 and cfg["SWAP_AB"]))
         cfg.setdefault("DECODED", False)
+        cfg["A_DECODED"] = bool(cfg["SWAP_AB"] and DECODE_X_MIN_M is not None and m >= DECODE_X_MIN_M)
         if chunks > 1 and not cfg["SWAP_AB"] and cfg["BLOCK_N"] > 128 and not interpreting():
             cfg["BLOCK_N"] = 128  # the walk keeps a second accumulator: 128x256 would spill
     return cfg
@@ -521,7 +534,7 @@ def gemm_many_triton(x, ws: list, biases: list, out_dtype: torch.dtype) -> list[
     cfgs = [gemm_config(m, w.shape[0], k, fp4) for w in ws]
     launches = launch_groups(cfgs, ws, biases)
     xd = None
-    if fp4 and cfgs[0].get("DECODED"):  # the wide tiles' decoded activation, shared by every launch
+    if fp4 and (cfgs[0].get("DECODED") or cfgs[0].get("A_DECODED")):  # the decoded activation, shared by every launch
         xd = decode_nvfp4(x, cfgs[0]["BLOCK_K"])
     for idx in launches:
         segs = [(ws[i], biases[i], outs[i]) for i in idx if ws[i].shape[0]]
@@ -561,6 +574,7 @@ def _launch(x, xd, segs: list, cfg: dict, fp4: bool):
     chunks = cfg.pop("CHUNKS", 1)
     split = cfg.pop("SPLIT", False)
     decoded = cfg.pop("DECODED", False)
+    a_decoded = cfg.pop("A_DECODED", False)
     bk, bn = cfg["BLOCK_K"], cfg["BLOCK_N"]
     chunk_k = triton.cdiv(triton.cdiv(k, bk), chunks) * bk  # elements per chunk (a multiple of BLOCK_K)
     has_bias = segs[0][1] is not None
@@ -581,6 +595,8 @@ def _launch(x, xd, segs: list, cfg: dict, fp4: bool):
         ags, s_ags = _flat_gs(x)
         if decoded:
             a_args, strides = (xd, xd, ags), (xd.stride(0), 0, s_ags, b0.stride(0), 0)
+        elif a_decoded:
+            a_args, strides = (xd, xd, ags), (xd.stride(0), 0, s_ags, b0.stride(0), segs[0][0].scale.stride(0))
         else:
             a_args = (x.data, x.scale.view(torch.uint8), ags)
             strides = (x.data.stride(0), x.scale.stride(0), s_ags, b0.stride(0), segs[0][0].scale.stride(0))
@@ -600,7 +616,8 @@ def _launch(x, xd, segs: list, cfg: dict, fp4: bool):
     kernel = _gemm_kernel[(tiles, chunks if split else 1)](
         *a_args, *flat, part, counters, m, k, chunk_k, n_total, t1, t2, grid_n, *strides,
         FP4=fp4, DOT_FP32=not fp4 and x.dtype == torch.float32, DOT_BY_SUM=interpreting() and not fp4,
-        EVEN_K=k % bk == 0, HAS_BIAS=has_bias, CHUNKED=chunks > 1, SPLIT=split, DECODED=decoded, NSEG=len(segs),
+        EVEN_K=k % bk == 0, HAS_BIAS=has_bias, CHUNKED=chunks > 1, SPLIT=split, DECODED=decoded, A_DECODED=a_decoded,
+        NSEG=len(segs),
         FIXUP=fixup, **cfg, **pdl.launch(x.device),
     )
     if split and not fixup:

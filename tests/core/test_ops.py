@@ -183,6 +183,28 @@ def test_wide_tiles_on_decoded_operands_equal_the_packed_kernel(monkeypatch, n, 
     assert torch.equal(d.float(), full.view(n, -1, bk // 2, 2).transpose(2, 3).reshape(n, -1))
 
 
+@pytest.mark.gpu if HAS_CUDA else pytest.mark.interpreter
+@pytest.mark.skipif(not HAS_TRITON, reason="triton missing")
+@pytest.mark.parametrize("n,k,chunks", INVARIANCE_SHAPES, ids=lambda v: str(v))
+def test_small_m_tiles_on_a_decoded_activation_equal_the_packed_kernel(monkeypatch, n, k, chunks):
+    """DECODE_X_MIN_M: the swapped tiles (M <= 128, split K chunks or not) take the activation decoded once by
+    `decode_nvfp4` and decode only the weight themselves: the bits of the tile that decodes both."""
+    from minite_core.kernels import gemm
+
+    w = _weights(n, k, seed=43)["nvfp4-row"]
+    xq = nvfp4.quantize(_rand(100, k, seed=44) * torch.logspace(-4, 2, 100, device=DEVICE).unsqueeze(1))
+    for m in (1, 17, 100):
+        rows = nvfp4.NVFP4Tensor(xq.data[:m], xq.scale[:m], xq.global_scale[:m], (m, k))
+        monkeypatch.setattr(gemm, "DECODE_X_MIN_M", None)
+        assert not gemm.gemm_config(m, n, k, True)["A_DECODED"]
+        packed = [gemm.gemm_triton(rows, w, None, dt) for dt in (torch.float32, torch.bfloat16)]
+        monkeypatch.setattr(gemm, "DECODE_X_MIN_M", 1)
+        cfg = gemm.gemm_config(m, n, k, True)
+        assert cfg["A_DECODED"] and cfg["SWAP_AB"] and cfg["SPLIT"] == (chunks > 1)
+        for dt, ref in zip((torch.float32, torch.bfloat16), packed):
+            assert torch.equal(gemm.gemm_triton(rows, w, None, dt), ref), (m, dt)
+
+
 def _nvfp4_abs(t):
     """The same NVFP4 tensor with every sign bit cleared."""
     return nvfp4.NVFP4Tensor(t.data & 0x77, t.scale, t.global_scale, t.shape)
