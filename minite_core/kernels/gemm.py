@@ -428,7 +428,7 @@ DECODE_WIDE = True
 # M <= SWAP_MAX_M: from this M up, the activation is decoded once (`decode_nvfp4`, one more launch) instead of
 # in every program (each of a row tile's N-tile programs decodes the same x step: at M = 64 half of the
 # tile's decode work); the weights stay packed. The same values in the same dots, so the same bits. None:
-# off, until bench/gemm.py's `a-decoded` column shows a gain on the GPU.
+# off, until bench/gemm.py's `x decoded` columns show a gain on the GPU.
 DECODE_X_MIN_M: int | None = None
 DECODED_TILE = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)
 CONFIG_OVERRIDE: dict | None = None  # bench/gemm.py only: try other fixed configs
@@ -617,8 +617,7 @@ def _launch(x, xd, segs: list, cfg: dict, fp4: bool):
         *a_args, *flat, part, counters, m, k, chunk_k, n_total, t1, t2, grid_n, *strides,
         FP4=fp4, DOT_FP32=not fp4 and x.dtype == torch.float32, DOT_BY_SUM=interpreting() and not fp4,
         EVEN_K=k % bk == 0, HAS_BIAS=has_bias, CHUNKED=chunks > 1, SPLIT=split, DECODED=decoded, A_DECODED=a_decoded,
-        NSEG=len(segs),
-        FIXUP=fixup, **cfg, **pdl.launch(x.device),
+        NSEG=len(segs), FIXUP=fixup, **cfg, **pdl.launch(x.device),
     )
     if split and not fixup:
         cbm, cbn = (16, 32) if interpreting() else (32, 128)

@@ -13,8 +13,8 @@ The rule that keeps it correct: a kernel launched with PDL calls `wait` before i
 (reads of what an earlier kernel wrote, and writes to what an earlier kernel may still read), so `prologue`
 comes before every load and store of every such kernel here (tests/kernels/test_pdl.py checks the PTX).
 Completion is transitive (a kernel completes only after its own wait returned, so after its predecessor
-completed), and a kernel launched without the attribute (torch's) waits for the whole previous grid. Nothing changes in what a program computes, so the
-bits are those of the plain launch.
+completed), and a kernel launched without the attribute (torch's) waits for the whole previous grid.
+Nothing changes in what a program computes, so the bits are those of the plain launch.
 
 What a kernel may do before its wait: work on registers, and prefetch into L2 (`prefetch_rows`). The
 decode GEMMs (swapped tiles, M <= 128) prefetch their weight rows there, so the weight stream, the bytes a
