@@ -5,27 +5,34 @@
 # their time limits (s). A summary table comes last.
 # All of it does not fit one 600 s device call (the tests alone need more than 300 s cold: Triton compiles):
 # run `tests gemm` in one call and `rollout learner attention` in the next, on the same warm machine.
-# The Triton cache comes back as $OUT/triton-cache.tgz (when under the 16 MiB a returned file may have):
-# copy it to .triton-cache.tgz (git-ignored) and carry it (`carry: [".whl", ".triton-cache.tgz"]`), and the
+# The Triton cache comes back as $OUT/triton-cache.tar.xz (when under the 16 MiB a returned file may have):
+# copy it to .triton-cache.tar.xz (git-ignored) and carry it (`carry: [".whl", ".triton-cache.tar.xz"]`), and the
 # next session's first call starts with the kernels of unchanged sources compiled.
 set -u
 OUT=${OUT:-/tmp/minite-gpu}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 TRITON_STORE_BINARY_ONLY=1
 parts=${*:-tests rollout learner attention gemm}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 git log --oneline -1 | tee -a "$OUT/device.txt"
-if [ -f .triton-cache.tgz ]; then
-  mkdir -p ~/.triton && tar xzf .triton-cache.tgz -C ~/.triton && echo "triton cache: $(ls ~/.triton/cache | wc -l) entries carried"
+if [ -f .triton-cache.tar.xz ]; then
+  mkdir -p ~/.triton && tar xJf .triton-cache.tar.xz -C ~/.triton && echo "triton cache: $(ls ~/.triton/cache | wc -l) entries carried"
 fi
 for p in $parts; do
   t0=$(date +%s)
   case $p in
-    tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rfs tests/core/test_ops.py tests/kernels/test_rows.py \
-             tests/kernels/test_gemm.py tests/kernels/test_qk_norm_rope.py tests/kernels/test_attention.py tests/kernels/test_fp8.py tests/kernels/test_quantize.py \
-             tests/kernels/test_grouped_gemm.py tests/kernels/test_sample.py tests/engine/test_rollout_fast_paths.py \
-             tests/model/test_moe.py tests/core/test_backward.py tests/engine/test_rollout_equals_learner.py tests/consistency/test_knobs.py \
-             2>&1 | tail -40 | tee "$OUT/tests.txt" ;;
+    # the promise first (rollout == learner, the engine's fast paths), then the kernels: a cold run may not reach
+    # the end in the time limit, so what matters most runs first; every test's line in $OUT/tests.log
+    tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -v -p no:cacheprovider -rfs \
+             tests/engine/test_rollout_equals_learner.py tests/engine/test_rollout_fast_paths.py tests/consistency/test_knobs.py \
+             tests/model/test_moe.py tests/kernels/test_gemm.py tests/core/test_ops.py tests/kernels/test_rows.py \
+             tests/kernels/test_qk_norm_rope.py tests/kernels/test_attention.py tests/kernels/test_fp8.py tests/kernels/test_quantize.py \
+             tests/kernels/test_grouped_gemm.py tests/kernels/test_sample.py tests/core/test_backward.py \
+             > "$OUT/tests.log" 2>&1
+           { grep -E "(FAILED|ERROR)" "$OUT/tests.log" | tail -20
+             echo "$(grep -c " PASSED" "$OUT/tests.log") passed, $(grep -c " FAILED" "$OUT/tests.log") failed," \
+                  "$(grep -c " SKIPPED" "$OUT/tests.log") skipped; last: $(grep -E "::" "$OUT/tests.log" | tail -1 | cut -c1-150)"
+           } | tee "$OUT/tests.txt" ;;
     rollout) timeout ${ROLLOUT_TIMEOUT:-420} python3 bench/rollout.py ${ROLLOUT_ARGS:---configs 0.6b --batches 16,64 --repeats 2} \
              --json "$OUT/rollout.json" 2>&1 | tee "$OUT/rollout.txt" | tail -30 ;;
     learner) timeout ${LEARNER_TIMEOUT:-300} python3 bench/learner.py ${LEARNER_ARGS:---steps 5 --backward fp8} 2>&1 \
@@ -35,7 +42,9 @@ for p in $parts; do
   esac
   echo "== $p: $(( $(date +%s) - t0 )) s"
 done
-tar czf "$OUT/triton-cache.tgz" -C ~/.triton cache 2>/dev/null && ls -l "$OUT/triton-cache.tgz" | awk '{print "triton cache:", $5, "bytes"}'
+# the compiled kernels for the next session (binaries and metadata only: TRITON_STORE_BINARY_ONLY above; a
+# cache entry is found again only at the same path, ~/.triton/cache, and only with all its files)
+tar cJf "$OUT/triton-cache.tar.xz" -C ~/.triton cache 2>/dev/null && ls -l "$OUT/triton-cache.tar.xz" | awk '{print "triton cache:", $5, "bytes"}'
 # the short table last: the figures issue 18's targets are about, from the logs above
 echo "== summary"
 [ -f "$OUT/tests.txt" ] && echo "tests:    $(grep -E '[0-9]+ (passed|failed)' "$OUT/tests.txt" | tail -1)"
