@@ -188,14 +188,15 @@ def w4a4_tile(
             acc = tl.dot(a_even, tl.trans(b_even), acc)
             acc = tl.dot(a_odd, tl.trans(b_odd), acc)
         if CHUNKED:
-            # the last step of a chunk (chunks start at multiples of chunk_k; the last one ends at K)
-            if ((k0 + BLOCK_K) % chunk_k == 0) | (k0 + BLOCK_K >= k_hi):
-                if SWAP_AB:
-                    total_t = total_t + acc_t
-                    acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-                else:
-                    total = total + acc
-                    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            # the last step of a chunk (chunks start at multiples of chunk_k; the last one ends at K): total += acc,
+            # acc = 0; selects, not a branch, so the accumulator stays in one chain of asynchronous MMAs
+            end = ((k0 + BLOCK_K) % chunk_k == 0) | (k0 + BLOCK_K >= k_hi)
+            if SWAP_AB:
+                total_t = tl.where(end, total_t + acc_t, total_t)
+                acc_t = tl.where(end, 0.0, acc_t)
+            else:
+                total = tl.where(end, total + acc, total)
+                acc = tl.where(end, 0.0, acc)
     if CHUNKED:
         acc = total
         acc_t = total_t
