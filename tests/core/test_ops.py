@@ -203,6 +203,15 @@ def test_small_m_tiles_on_a_decoded_activation_equal_the_packed_kernel(monkeypat
         assert cfg["A_DECODED"] and cfg["SWAP_AB"] and cfg["SPLIT"] == (chunks > 1)
         for dt, ref in zip((torch.float32, torch.bfloat16), packed):
             assert torch.equal(gemm.gemm_triton(rows, w, None, dt), ref), (m, dt)
+    # two weights in one launch (q/k/v, gate/up) share the one decoded activation
+    w2 = _weights(n, k, seed=45)["nvfp4-tensor"]
+    assert len(gemm.launch_groups([gemm.gemm_config(17, n, k, True)] * 2, [w, w2], [None, None])) == 1
+    rows = nvfp4.NVFP4Tensor(xq.data[:17], xq.scale[:17], xq.global_scale[:17], (17, k))
+    for out, ww in zip(gemm.gemm_many_triton(rows, [w, w2], [None, None], torch.float32), (w, w2)):
+        monkeypatch.setattr(gemm, "DECODE_X_MIN_M", None)
+        ref = gemm.gemm_triton(rows, ww, None, torch.float32)
+        monkeypatch.setattr(gemm, "DECODE_X_MIN_M", 1)
+        assert torch.equal(out, ref)
 
 
 def _nvfp4_abs(t):
