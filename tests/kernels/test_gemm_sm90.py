@@ -8,22 +8,15 @@ of a K step's 8 HGMMA): no two MMAs of a tile overlapped. With selects it waits 
 even and odd halves). Compiled in a subprocess: the compiler cannot run under TRITON_INTERPRET."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.sm90 import run_compile_script
 
 SCRIPT = r"""
 import json
 import bench.gemm_probe as gp
 out = {}
 for name, kern, const, cfg, ones, m, *ptrs in gp.sm90_cases():
-    if "_wide_decoded_w" in name and const["CHUNKED"] and const["NSEG"] == 1 and name not in out:
+    if "_wide_decoded_w" in name and const["CHUNKED"] and const["NSEG"] == 1:
         ck = gp.compile_sm90(kern, const, cfg["num_warps"], cfg["num_stages"], ones, *ptrs)
         loop = gp.main_loop(gp.sass_of(ck.asm["cubin"]))
         out[name] = dict(hgmma=sum(op.startswith("HGMMA") for _, op in loop),
@@ -35,10 +28,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def wide_walk() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = run_compile_script(SCRIPT)
     assert len(out) == 1, out
     return next(iter(out.values()))
 

@@ -5,15 +5,8 @@ on the GPU, `MINITE_PDL=1 bash bench/gpu_session.sh tests` runs the engine tests
 subprocess: the compiler cannot run under TRITON_INTERPRET, which this test session sets."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.sm90 import run_compile_script
 
 # every kernel of the decode step's chain takes PDL (a norm, the GEMMs, q/k norm + RoPE, attention, SiLU * up,
 # the activation quantize)
@@ -57,10 +50,7 @@ print(json.dumps(takes))
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_compile_script(SCRIPT)
 
 
 def test_decode_chain_kernels_take_pdl(compiled):
