@@ -34,7 +34,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-ENABLED = os.environ.get("MINITE_PDL", "0") == "1"
+_SETTING = os.environ.get("MINITE_PDL", "0")
+if _SETTING not in ("0", "1"):
+    raise ValueError(f"MINITE_PDL={_SETTING!r}: set it to 1 (programmatic dependent launch on) or 0 (off)")
+ENABLED = _SETTING == "1"
 
 
 @functools.lru_cache(maxsize=None)

@@ -71,3 +71,13 @@ def test_decode_gemm_prefetches_its_weights_before_waiting(compiled):
     r = compiled["minite_core.kernels.gemm._gemm_kernel"]
     assert "swap" in r["case"], r["case"]
     assert r["prefetches_before_wait"] > 0, r
+
+
+def test_a_bad_minite_pdl_value_is_named():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, MINITE_PDL="yes")
+    r = subprocess.run([sys.executable, "-c", "import minite_core.kernels.pdl"], env=env, capture_output=True, text=True)
+    assert r.returncode != 0 and "MINITE_PDL='yes'" in r.stderr
