@@ -87,6 +87,26 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# How the FP4 operands are decoded (`decode_nvfp4_pairs`): "ptx" (the GPU default: a word of 8 nibbles at a
+# time, in inline PTX) or "bits" (an element at a time, in Triton ops: what the interpreter runs, and on
+# a GPU `MINITE_FP4_DECODE=bits`, for comparison). Both give the same fp16 values (exact, see
+# `decode_nvfp4_pairs`); fixed at import, as Triton fixes interpretation, because a jitted function
+# reads it as a constant.
+_DECODE = os.environ.get("MINITE_FP4_DECODE", "bits" if interpreting() else "ptx")
+if _DECODE not in ("ptx", "bits") or (_DECODE == "ptx" and interpreting()):
+    raise ValueError(f"MINITE_FP4_DECODE={_DECODE!r}: set it to ptx (GPU, sm_89 or later) or bits"
+                     + (" (the Triton interpreter cannot run PTX)" if interpreting() else ""))
+PTX_DECODE = tl.constexpr(_DECODE == "ptx")
+
+
+def check_decode(device: torch.device) -> None:
+    """A clear error, before a compile fails in ptxas, where the PTX decode cannot run (its cvt from E4M3
+    needs sm_89 or later)."""
+    if PTX_DECODE and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise RuntimeError(f"the NVFP4 kernels' PTX decode needs sm_89 or later, {device} is "
+                           f"sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}: set MINITE_FP4_DECODE=bits")
+
+
 @triton.jit
 def e2m1_to_fp16(nibble):
     """E2M1 codes (int16, 0..15) -> fp16 values, by placing the 3 magnitude bits at the top of the fp16
@@ -96,20 +116,68 @@ def e2m1_to_fp16(nibble):
 
 
 @triton.jit
-def e4m3_to_fp16(byte):
-    """Non-negative E4M3 scale bytes (int16) -> fp16: byte << 7 encodes value * 2^-8 (subnormals too)."""
-    return (byte << 7).to(tl.float16, bitcast=True) * 256.0
+def e4m3_to_fp16(byte, UNIT: tl.constexpr = 1.0):
+    """Non-negative E4M3 scale bytes (int16) -> fp16 value * UNIT (a power of two): byte << 7 encodes
+    value * 2^-8 (subnormals too)."""
+    return (byte << 7).to(tl.float16, bitcast=True) * (256.0 * UNIT)
+
+
+# 4 packed bytes (8 E2M1 codes, one 32-bit register) -> the 4 even codes and the 4 odd ones as fp16 code * 2^-6
+# (two f16x2 registers each). Each code becomes an E4M3 byte: its 3 magnitude bits go to bits 4..2 (exponent
+# 00ee, mantissa m00: (1 + m/2) 2^(e-7), or m/2 2^-6 for e = 0, so the E2M1 value times 2^-6, subnormals
+# included), its sign to bit 7, four bytes at once; the hardware's E4M3 -> f16x2 conversion does the rest.
+# Triton packs element 0 of a group of 4 into the low byte (the low half for fp16), as the conversion does.
+_E2M1X8_PTX = tl.constexpr("""{
+.reg .b32 m, s, lo, hi;
+.reg .b16 l0, l1, h0, h1;
+shl.b32 m, $4, 2;
+and.b32 m, m, 0x1C1C1C1C;
+shl.b32 s, $4, 4;
+and.b32 s, s, 0x80808080;
+or.b32 lo, m, s;
+shr.b32 m, $4, 2;
+and.b32 m, m, 0x1C1C1C1C;
+and.b32 s, $4, 0x80808080;
+or.b32 hi, m, s;
+mov.b32 {l0, l1}, lo;
+mov.b32 {h0, h1}, hi;
+cvt.rn.f16x2.e4m3x2 $0, l0;
+cvt.rn.f16x2.e4m3x2 $1, l1;
+cvt.rn.f16x2.e4m3x2 $2, h0;
+cvt.rn.f16x2.e4m3x2 $3, h1;
+}""")
 
 
 @triton.jit
 def decode_nvfp4_pairs(packed, scale):
-    """Packed bytes [R, P] and the fp16 block scale of each pair [R, P] -> (even, odd) elements, fp16 code * scale.
+    """Packed bytes [R, P] (uint8) and the fp16 block scale of each pair [R, P] (`decode_scales`) -> (even,
+    odd) elements, fp16 code * scale.
 
-    Both products are exact in fp16. Returning the even and the odd elements as two tiles (instead of
-    interleaving them back) avoids a register shuffle; the GEMM sums over K in that permuted order.
+    Both products are exact in fp16: code * scale has at most 6 significant bits and lies in 2^-10 .. 2688.
+    PTX_DECODE: the codes come as code * 2^-6 (`_E2M1X8_PTX`: ~1.4 instructions a code instead of ~6 when
+    Triton works on one int16 element per register) and the scale as scale * 2^6, so the product is the same
+    exact value (code * 2^-6 >= 2^-7 and scale * 2^6 >= 2^-3: nothing underflows). Returning the even and
+    the odd elements as two tiles (instead of interleaving them back) avoids a register shuffle; the GEMM
+    sums over K in that permuted order.
     """
-    p = packed.to(tl.int16)
-    return e2m1_to_fp16(p & 0xF) * scale, e2m1_to_fp16(p >> 4) * scale
+    if PTX_DECODE:
+        even, odd = tl.inline_asm_elementwise(_E2M1X8_PTX, "=r,=r,=r,=r,r", [packed], dtype=(tl.float16, tl.float16),
+                                              is_pure=True, pack=4)
+        return even * scale, odd * scale
+    else:
+        p = packed.to(tl.int16)
+        return e2m1_to_fp16(p & 0xF) * scale, e2m1_to_fp16(p >> 4) * scale
+
+
+@triton.jit
+def decode_scales(scale_bytes, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """E4M3 block-scale bytes [ROWS, BLOCK_K/16] -> fp16 [ROWS, BLOCK_K/2], each scale decoded once, then
+    spread over its 8 bytes, in the unit `decode_nvfp4_pairs` takes."""
+    if PTX_DECODE:
+        s = e4m3_to_fp16(scale_bytes.to(tl.int16), 64.0)
+    else:
+        s = e4m3_to_fp16(scale_bytes.to(tl.int16))
+    return tl.reshape(tl.broadcast_to(s[:, :, None], [ROWS, BLOCK_K // 16, 8]), [ROWS, BLOCK_K // 2])
 
 
 @triton.jit
@@ -117,9 +185,7 @@ def decode_step(packed, scale_bytes, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """One BLOCK_K step of packed bytes [ROWS, BLOCK_K/2] and E4M3 scale bytes [ROWS, BLOCK_K/16] -> (even,
     odd) fp16 tiles [ROWS, BLOCK_K/2] of code * block scale: each block scale decoded once, then spread
     over its 8 bytes."""
-    s = e4m3_to_fp16(scale_bytes.to(tl.int16))
-    s = tl.reshape(tl.broadcast_to(s[:, :, None], [ROWS, BLOCK_K // 16, 8]), [ROWS, BLOCK_K // 2])
-    return decode_nvfp4_pairs(packed, s)
+    return decode_nvfp4_pairs(packed, decode_scales(scale_bytes, ROWS, BLOCK_K))
 
 
 @triton.jit
