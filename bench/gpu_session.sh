@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device session: the GPU tests of the kernels and engines, then the benchmarks, logs under $OUT.
-#   bash bench/gpu_session.sh [tests] [rollout] [learner] [attention] [gemm]   (default: all)
+#   bash bench/gpu_session.sh [tests] [rollout] [learner] [attention] [gemm] [gemm-bits]   (default: all but gemm-bits)
+# gemm-bits: bench/gemm.py again with the element-wise FP4 decode (MINITE_FP4_DECODE=bits), for the word decode's gain.
 # ROLLOUT_ARGS / LEARNER_ARGS / GEMM_ARGS override the benchmarks' arguments, ROLLOUT_TIMEOUT / LEARNER_TIMEOUT
 # their time limits (s). A summary table comes last.
 # All of it does not fit one 600 s device call (the tests alone need more than 300 s cold: Triton compiles):
@@ -39,6 +40,8 @@ for p in $parts; do
              | tee "$OUT/learner.txt" | tail -30 ;;
     attention) timeout 120 python3 bench/attention.py 2>&1 | tee "$OUT/attention.txt" | tail -20 ;;
     gemm) timeout 240 python3 bench/gemm.py ${GEMM_ARGS:---quick} --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.txt" | tail -40 ;;
+    gemm-bits) MINITE_FP4_DECODE=bits timeout 240 python3 bench/gemm.py ${GEMM_ARGS:---quick} --json "$OUT/gemm_bits.json" 2>&1 \
+             | tee "$OUT/gemm_bits.txt" | tail -40 ;;
   esac
   echo "== $p: $(( $(date +%s) - t0 )) s"
 done
@@ -53,4 +56,5 @@ echo "== summary"
 [ -f "$OUT/gemm.txt" ] && grep -E '^ *[0-9]+ +[0-9]+ +(1|16|64|4096) ' "$OUT/gemm.txt" | awk -F'|' '{print "gemm:     N K M S =" $1 "w4a4 vs bf16 =" $(NF-1)}'
 [ -f "$OUT/gemm.txt" ] && grep -E '^quantize' "$OUT/gemm.txt" | sed 's/^/gemm:     /'
 [ -f "$OUT/gemm.txt" ] && grep -E '^decode ' "$OUT/gemm.txt" | sed 's/^/layer:    /'
+[ -f "$OUT/gemm_bits.txt" ] && grep -E '^decode ' "$OUT/gemm_bits.txt" | sed 's/^/layer, element decode: /'
 true

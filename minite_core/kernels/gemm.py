@@ -2,8 +2,9 @@
 
 W4A4 on Hopper, which has no FP4 tensor cores (and where `tl.dot_scaled` with E4M3 scales does not
 compile): each program loads packed FP4 bytes of x and w, decodes nibbles and E4M3 block scales in
-registers with bit moves (no lookup, no layout shuffle), and forms code * block_scale, which is exact
-in fp16 (at most 6 significant bits, range 2^-10 .. 2688). `tl.dot` then multiplies fp16 tiles with
+registers (on the GPU a word of 8 nibbles at a time in inline PTX, through the hardware's E4M3 -> f16x2
+conversion; under the interpreter with element-wise bit moves: `decode_nvfp4_pairs`), and forms
+code * block_scale, which is exact in fp16 (at most 6 significant bits, range 2^-10 .. 2688). `tl.dot` then multiplies fp16 tiles with
 fp32 accumulation: per BLOCK_K step, first the even elements of the step, then the odd ones (the
 order in which the bytes hold them). The global scales enter in the epilogue,
 (acc * gs_x[m]) * gs_w[n], as in the torch backend. The decode step is the only
@@ -73,6 +74,7 @@ position-invariant, so it is tested as on the GPU.)
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -99,12 +101,25 @@ if _DECODE not in ("ptx", "bits") or (_DECODE == "ptx" and interpreting()):
 PTX_DECODE = tl.constexpr(_DECODE == "ptx")
 
 
-def check_decode(device: torch.device) -> None:
-    """A clear error, before a compile fails in ptxas, where the PTX decode cannot run (its cvt from E4M3
-    needs sm_89 or later)."""
-    if PTX_DECODE and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        raise RuntimeError(f"the NVFP4 kernels' PTX decode needs sm_89 or later, {device} is "
-                           f"sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}: set MINITE_FP4_DECODE=bits")
+@functools.lru_cache(maxsize=None)
+def decode_supported(index: int) -> tuple[bool, str]:
+    cap = torch.cuda.get_device_capability(index)
+    return cap >= (8, 9), f"sm_{cap[0]}{cap[1]}"
+
+
+def check_decode(device: torch.device, *packed: NVFP4Tensor) -> None:
+    """A clear error, before a compile fails in ptxas or a load faults, where the PTX decode cannot run:
+    its E4M3 -> f16x2 conversion needs sm_89 or later, and it reads the packed bytes two at a time (rows
+    that start at even addresses, which every tensor `nvfp4` makes has)."""
+    if _DECODE == "ptx" and device.type == "cuda":
+        ok, arch = decode_supported(device.index if device.index is not None else torch.cuda.current_device())
+        if not ok:
+            raise RuntimeError(f"the NVFP4 kernels' PTX decode needs sm_89 or later, {device} is {arch}: "
+                               "set MINITE_FP4_DECODE=bits")
+        for t in packed:
+            if t.data.data_ptr() % 2 or (t.data.dim() > 1 and t.data.stride(-2) % 2):
+                raise ValueError("packed NVFP4 data whose rows start at odd byte addresses (a view into the bytes?): "
+                                 "the GPU decode reads them two bytes at a time; pass a copy (.clone())")
 
 
 @triton.jit
@@ -149,20 +164,30 @@ cvt.rn.f16x2.e4m3x2 $3, h1;
 
 
 @triton.jit
-def decode_nvfp4_pairs(packed, scale):
-    """Packed bytes [R, P] (uint8) and the fp16 block scale of each pair [R, P] (`decode_scales`) -> (even,
-    odd) elements, fp16 code * scale.
+def decode_nvfp4_pairs(packed, scale, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Packed bytes (`load_packed`) and the fp16 block scale of each pair [ROWS, BLOCK_K/2] (`decode_scales`)
+    -> (even, odd) elements [ROWS, BLOCK_K/2], fp16 code * scale.
 
     Both products are exact in fp16: code * scale has at most 6 significant bits and lies in 2^-10 .. 2688.
-    PTX_DECODE: the codes come as code * 2^-6 (`_E2M1X8_PTX`: ~1.4 instructions a code instead of ~6 when
-    Triton works on one int16 element per register) and the scale as scale * 2^6, so the product is the same
-    exact value (code * 2^-6 >= 2^-7 and scale * 2^6 >= 2^-3: nothing underflows). Returning the even and
-    the odd elements as two tiles (instead of interleaving them back) avoids a register shuffle; the GEMM
-    sums over K in that permuted order.
+    PTX_DECODE: `packed` holds the bytes two to an int16 [ROWS, BLOCK_K/4], and the codes come as
+    code * 2^-6 (`_E2M1X8_PTX`, on 4 bytes at once: ~1.4 instructions a code instead of ~6 when Triton works
+    on one int16 element per register) with the scale as scale * 2^6, so the product is the same exact
+    value (code * 2^-6 >= 2^-7 and scale * 2^6 >= 2^-3: nothing underflows). Each int16 gives one f16x2 of
+    even codes and one of odd codes (an int32 each); they are split into halves and joined back into
+    [ROWS, BLOCK_K/2], which moves no data: the pairs are the MMA operand's pairs of neighbouring k.
+    Else `packed` is the uint8 bytes [ROWS, BLOCK_K/2], decoded an element at a time.
+    Returning the even and the odd elements as two tiles (instead of interleaving them back) avoids a
+    register shuffle; the GEMM sums over K in that permuted order.
     """
     if PTX_DECODE:
-        even, odd = tl.inline_asm_elementwise(_E2M1X8_PTX, "=r,=r,=r,=r,r", [packed], dtype=(tl.float16, tl.float16),
-                                              is_pure=True, pack=4)
+        e2, o2 = tl.inline_asm_elementwise(_E2M1X8_PTX, "=r,=r,=r,=r,r", [packed], dtype=(tl.int32, tl.int32),
+                                           is_pure=True, pack=2)
+        e_lo, e_hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [e2], dtype=(tl.float16, tl.float16),
+                                               is_pure=True, pack=1)
+        o_lo, o_hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [o2], dtype=(tl.float16, tl.float16),
+                                               is_pure=True, pack=1)
+        even = tl.reshape(tl.join(e_lo, e_hi), [ROWS, BLOCK_K // 2])
+        odd = tl.reshape(tl.join(o_lo, o_hi), [ROWS, BLOCK_K // 2])
         return even * scale, odd * scale
     else:
         p = packed.to(tl.int16)
@@ -170,11 +195,26 @@ def decode_nvfp4_pairs(packed, scale):
 
 
 @triton.jit
+def load_packed(ptr, rows, mask_r, stride, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The packed bytes of the K step at k0 for `rows` (zeros past K and for masked rows), in the form
+    `decode_nvfp4_pairs` takes: two bytes an int16 [R, BLOCK_K/4] for the PTX decode (a row's bytes start
+    at an even address: K is a multiple of 16), else uint8 [R, BLOCK_K/2]. `stride` is in bytes."""
+    if PTX_DECODE:
+        kq = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+        mask = mask_r[:, None] if EVEN_K else mask_r[:, None] & (kq < K // 4)[None, :]
+        return tl.load(ptr.to(tl.pointer_type(tl.int16)) + rows[:, None] * (stride // 2) + kq[None, :], mask=mask, other=0)
+    else:
+        kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        mask = mask_r[:, None] if EVEN_K else mask_r[:, None] & (kp < K // 2)[None, :]
+        return tl.load(ptr + rows[:, None] * stride + kp[None, :], mask=mask, other=0)
+
+
+@triton.jit
 def decode_scales(scale_bytes, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """E4M3 block-scale bytes [ROWS, BLOCK_K/16] -> fp16 [ROWS, BLOCK_K/2], each scale decoded once, then
     spread over its 8 bytes, in the unit `decode_nvfp4_pairs` takes."""
-    if PTX_DECODE:
-        s = e4m3_to_fp16(scale_bytes.to(tl.int16), 64.0)
+    if PTX_DECODE:  # the hardware's E4M3 -> f16x2 conversion (exact), two scales an instruction
+        s = scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float16) * 64.0
     else:
         s = e4m3_to_fp16(scale_bytes.to(tl.int16))
     return tl.reshape(tl.broadcast_to(s[:, :, None], [ROWS, BLOCK_K // 16, 8]), [ROWS, BLOCK_K // 2])
@@ -185,7 +225,7 @@ def decode_step(packed, scale_bytes, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """One BLOCK_K step of packed bytes [ROWS, BLOCK_K/2] and E4M3 scale bytes [ROWS, BLOCK_K/16] -> (even,
     odd) fp16 tiles [ROWS, BLOCK_K/2] of code * block scale: each block scale decoded once, then spread
     over its 8 bytes."""
-    return decode_nvfp4_pairs(packed, decode_scales(scale_bytes, ROWS, BLOCK_K))
+    return decode_nvfp4_pairs(packed, decode_scales(scale_bytes, ROWS, BLOCK_K), ROWS, BLOCK_K)
 
 
 @triton.jit
@@ -220,25 +260,22 @@ def w4a4_tile(
         total_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k0 = tl.multiple_of(k0, BLOCK_K)  # k_lo is a multiple of BLOCK_K: keeps the loads vectorized
-        kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # byte (= element pair) index
         ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)  # block-scale index
         kh = k0 + tl.arange(0, BLOCK_K // 2)  # decoded operands: the step's evens, then its odds (zero-padded)
         if EVEN_K:  # no mask along K, so the byte loads vectorize
-            mask_ak, mask_bk = mask_m[:, None], mask_n[:, None]
             mask_as, mask_bs = mask_m[:, None], mask_n[:, None]
         else:
-            mask_ak, mask_bk = mask_m[:, None] & (kp < K // 2)[None, :], mask_n[:, None] & (kp < K // 2)[None, :]
             mask_as, mask_bs = mask_m[:, None] & (ks < K // 16)[None, :], mask_n[:, None] & (ks < K // 16)[None, :]
         if DECODED or A_DECODED:  # fp16 code * scale
             a_even = tl.load(a_ptr + offs_m[:, None] * stride_am + kh[None, :], mask=mask_m[:, None], other=0.0)
             a_odd = tl.load(a_ptr + offs_m[:, None] * stride_am + (kh + BLOCK_K // 2)[None, :], mask=mask_m[:, None], other=0.0)
         else:
-            a = tl.load(a_ptr + offs_m[:, None] * stride_am + kp[None, :], mask=mask_ak, other=0)
+            a = load_packed(a_ptr, offs_m, mask_m, stride_am, k0, K, EVEN_K, BLOCK_K)
         if DECODED:
             b_even = tl.load(b_ptr + offs_n[:, None] * stride_bn + kh[None, :], mask=mask_n[:, None], other=0.0)
             b_odd = tl.load(b_ptr + offs_n[:, None] * stride_bn + (kh + BLOCK_K // 2)[None, :], mask=mask_n[:, None], other=0.0)
         else:
-            b = tl.load(b_ptr + offs_n[:, None] * stride_bn + kp[None, :], mask=mask_bk, other=0)
+            b = load_packed(b_ptr, offs_n, mask_n, stride_bn, k0, K, EVEN_K, BLOCK_K)
         if not (DECODED or A_DECODED):
             sa = tl.load(as_ptr + offs_m[:, None] * stride_asm + ks[None, :], mask=mask_as, other=0)
         if not DECODED:
@@ -433,9 +470,8 @@ def _gemm_kernel(
 def load_decode_step(p_ptr, s_ptr, rows, mask_r, k0, K, stride_p, stride_s, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """The K step at k0 of rows `rows` of a packed NVFP4 tensor (bytes, E4M3 scale bytes; zeros past K or R),
     decoded by `decode_step` -> (even, odd) fp16 [BLOCK_R, BLOCK_K/2]."""
-    kp = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-    packed = tl.load(p_ptr + rows[:, None] * stride_p + kp[None, :], mask=mask_r[:, None] & (kp < K // 2)[None, :], other=0)
+    packed = load_packed(p_ptr, rows, mask_r, stride_p, k0, K, False, BLOCK_K)
     scale = tl.load(s_ptr + rows[:, None] * stride_s + ks[None, :], mask=mask_r[:, None] & (ks < K // 16)[None, :], other=0)
     return decode_step(packed, scale, BLOCK_R, BLOCK_K)
 
@@ -458,6 +494,7 @@ def _decode_kernel(p_ptr, s_ptr, o_ptr, R, K, stride_p, stride_s, stride_o,
 def decode_nvfp4(t: NVFP4Tensor, block_k: int) -> torch.Tensor:
     """fp16 [R, cdiv(K, block_k) * block_k]: code * block scale (exact in fp16) of a 2-D NVFP4 tensor, in
     the DECODED tile's layout; the global scales are not applied (the GEMM's epilogue does that)."""
+    check_decode(t.data.device, t)
     r, k = t.shape
     steps = triton.cdiv(k, block_k)
     out = torch.empty(r, steps * block_k, dtype=torch.float16, device=t.data.device)
@@ -594,6 +631,8 @@ def gemm_many_triton(x, ws: list, biases: list, out_dtype: torch.dtype) -> list[
     MAX_SEGMENTS of them, share one launch; each program still computes a tile of one weight. A decode step's q/k/v (or gate/up) projections take one launch instead of three (two), and
     an activation decoded for the wide tiles is decoded once for all of them."""
     fp4 = isinstance(ws[0], NVFP4Tensor)
+    if fp4:
+        check_decode(x.data.device, x, *ws)
     m, k = x.shape
     outs = [torch.empty(m, w.shape[0], dtype=out_dtype, device=x.device) for w in ws]
     if m == 0:

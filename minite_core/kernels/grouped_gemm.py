@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ..nvfp4 import NVFP4Tensor
-from .gemm import FP4_BLOCK_K, SWAP_CONFIGS, interpreting, k_chunks, swap_block_m, w4a4_epilogue, w4a4_tile
+from .gemm import FP4_BLOCK_K, SWAP_CONFIGS, check_decode, interpreting, k_chunks, swap_block_m, w4a4_epilogue, w4a4_tile
 
 
 class MoeSort(NamedTuple):
@@ -143,6 +143,7 @@ def grouped_gemm(xq: NVFP4Tensor, w: NVFP4Tensor, expert_offsets: torch.Tensor,
         raise ValueError(f"devices differ: xq {xq.device}, w {w.device}, expert_offsets {expert_offsets.device}")
     if xq.global_scale.dim() not in (0, 2) or w.global_scale.dim() not in (0, 3):
         raise ValueError("global scales: xq [] or [T, 1], w [] or [E, N, 1]")
+    check_decode(xq.data.device, xq, w)
     c = torch.empty(t, n, dtype=out_dtype, device=xq.device)
     if t == 0 or n == 0:
         return c

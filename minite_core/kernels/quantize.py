@@ -23,7 +23,7 @@ import triton.language as tl
 from .. import nvfp4
 from ..nvfp4 import BLOCK, NVFP4Tensor
 from . import pdl
-from .gemm import interpreting, load_decode_step
+from .gemm import check_decode, interpreting, load_decode_step
 
 _E2M1_MAX = tl.constexpr(nvfp4.E2M1_MAX)
 _E4M3_MAX = tl.constexpr(nvfp4.E4M3_MAX)
@@ -178,6 +178,7 @@ def _dequantize_kernel(p_ptr, s_ptr, gs_ptr, o_ptr, R, K, stride_p, stride_s, st
 
 def dequantize_triton(t: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`nvfp4.dequantize(t, dtype)`, the same bits, in one kernel."""
+    check_decode(t.data.device, t)
     k = t.shape[-1]
     data = t.data.reshape(-1, k // 2)
     scale = t.scale.view(torch.uint8).reshape(-1, k // BLOCK)

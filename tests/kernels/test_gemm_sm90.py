@@ -5,7 +5,12 @@ show and that cost speed when lost.
 The chunk walk of the wide decoded tile (the learner's GEMM) once flushed a finished K chunk into the
 total inside a branch, and Triton then waited for every wgmma (`WARPGROUP.DEPBAR.LE gsb0, 0x0` after each
 of a K step's 8 HGMMA): no two MMAs of a tile overlapped. With selects it waits once per dot (the step's
-even and odd halves). Compiled in a subprocess: the compiler cannot run under TRITON_INTERPRET."""
+even and odd halves).
+
+The decode of the packed operands (the decode GEMMs' M <= 16 tile): ~6 instructions a code when Triton
+works on one element per register; the PTX decode (`gemm._E2M1X8_PTX`) works on words of 8 codes and lets
+the hardware's E4M3 -> f16x2 conversion (`F2FP`) place the bits: the K step's loop went from 695
+instructions a warp to 320. Compiled in a subprocess: the compiler cannot run under TRITON_INTERPRET."""
 from __future__ import annotations
 
 import pytest
@@ -16,23 +21,40 @@ import json
 import bench.gemm_probe as gp
 out = {}
 for name, kern, const, cfg, ones, m, *ptrs in gp.sm90_cases():
-    if "_wide_decoded_w" in name and const["CHUNKED"] and const["NSEG"] == 1:
+    wide = "_wide_decoded_w" in name and const["CHUNKED"] and const["NSEG"] == 1
+    narrow = name.startswith("dense_12288x4096_M16_") and "swap_w4" in name
+    if (wide and "wide" not in out) or (narrow and "narrow" not in out):
         ck = gp.compile_sm90(kern, const, cfg["num_warps"], cfg["num_stages"], ones, *ptrs)
         loop = gp.main_loop(gp.sass_of(ck.asm["cubin"]))
-        out[name] = dict(hgmma=sum(op.startswith("HGMMA") for _, op in loop),
-                         waits=sum(op.startswith("WARPGROUP.DEPBAR") for _, op in loop))
-        break
+        out["wide" if wide else "narrow"] = dict(
+            name=name, instructions=len(loop), hgmma=sum(op.startswith("HGMMA") for _, op in loop),
+            waits=sum(op.startswith("WARPGROUP.DEPBAR") for _, op in loop),
+            f2fp=sum(op.startswith("F2FP") for _, op in loop), ptx_cvt="cvt.rn.f16x2.e4m3x2" in ck.asm["ptx"])
 print(json.dumps(out))
 """
 
 
 @pytest.fixture(scope="module")
-def wide_walk() -> dict:
+def compiled() -> dict:
     out = run_compile_script(SCRIPT)
-    assert len(out) == 1, out
-    return next(iter(out.values()))
+    assert set(out) == {"wide", "narrow"}, out
+    return out
+
+
+@pytest.fixture
+def wide_walk(compiled) -> dict:
+    return compiled["wide"]
 
 
 def test_the_chunked_wide_walk_waits_once_per_dot_not_per_mma(wide_walk):
     assert wide_walk["hgmma"] == 8, wide_walk  # 128 x 128 x 128 step: two dots of K = 64, 4 x k16 each
     assert wide_walk["waits"] <= 2, wide_walk
+
+
+def test_the_narrow_tile_decodes_words_with_the_hardware_conversion(compiled):
+    narrow = compiled["narrow"]
+    assert narrow["ptx_cvt"] and narrow["hgmma"] == 8, narrow
+    # 64 x 64 weight bytes + 16 x 64 activation bytes a step over 128 threads: 10 words of 8 codes a thread,
+    # 4 conversions a word; scale pairs convert with the same instruction
+    assert narrow["f2fp"] >= 40, narrow
+    assert narrow["instructions"] <= 360, narrow  # the element-wise decode: 695
