@@ -43,12 +43,13 @@ def e4m3_round_bits(v):
 
 @triton.jit
 def e2m1_round(v):
-    """RNE of fp32 v in [-6, 6] to E2M1 codes 0..15 (bit 3 = sign), as `nvfp4.round_e2m1` (which counts
-    thresholds), on the bits in about half the instructions. |v| >= 1: round the fp32 mantissa to one bit,
-    ties to even (the carry may bump the exponent); the exponent and that bit are the code, 1.0 -> 2 ...
-    6.0 -> 7. |v| < 1 (codes 0, 1, 2 = 0, 0.5, 1.0): 2|v| + 2^23 rounds to an integer, ties to even, held
-    in the low mantissa bits."""
-    a = tl.abs(v)
+    """RNE of finite fp32 v to E2M1 codes 0..15 (bit 3 = sign), saturating at 6, as `nvfp4.round_e2m1`
+    (which counts thresholds) of v clamped to [-6, 6], on the bits in about half the instructions.
+    |v| >= 1: round the fp32 mantissa to one bit, ties to even (the carry may bump the exponent); the
+    exponent and that bit are the code, 1.0 -> 2 ... 6.0 -> 7. |v| < 1 (codes 0, 1, 2 = 0, 0.5, 1.0):
+    2|v| + 2^23 rounds to an integer, ties to even, held in the low mantissa bits. The clamp is one
+    min on |v| (the sign comes from v), not a clamp of v then its absolute value."""
+    a = tl.minimum(tl.abs(v), _E2M1_MAX)
     bits = a.to(tl.int32, bitcast=True)
     normal = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252  # (127 << 1) | m: 254 -> code 2
     small = (a * 2.0 + 8388608.0).to(tl.int32, bitcast=True) & 3
@@ -72,8 +73,7 @@ def quantize_blocks(x, gs, inv_gs):
     s = tl.div_rn(tl.div_rn(bamax, _E2M1_MAX), gs)
     s = tl.minimum(tl.maximum(s, _E4M3_MIN), _E4M3_MAX)
     s_code, s32 = e4m3_round_bits(s)
-    v = x * tl.div_rn(inv_gs, s32)[:, None]
-    v = tl.minimum(tl.maximum(v, -_E2M1_MAX), _E2M1_MAX)
+    v = x * tl.div_rn(inv_gs, s32)[:, None]  # |v| <= 6 up to the E4M3 rounding of s: e2m1_round saturates
     even, odd = tl.split(tl.reshape(e2m1_round(v), [x.shape[0], 8, 2]))
     return even | (odd << 4), s_code
 

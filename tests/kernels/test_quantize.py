@@ -1,6 +1,7 @@
 """The quantize kernels' E2M1 rounding helper (`kernels.quantize.e2m1_round`, on the fp32 bits) against
-the definition (`nvfp4.round_e2m1`, which counts thresholds): every threshold, its fp32 neighbours, the
-representable values, signed zeros and a dense random sample of [-6, 6], byte for byte. (The whole
+the definition (`nvfp4.round_e2m1`, which counts thresholds, of v clamped to [-6, 6]): every threshold, its
+fp32 neighbours, the representable values, signed zeros, a dense random sample of [-6, 6] and values
+beyond 6 (the kernel saturates them itself), byte for byte. (The whole
 quantize kernels are compared with the torch backend in tests/core/test_ops.py.)
 
 On a CPU machine the kernel runs under the Triton interpreter; on a GPU, on the GPU.
@@ -47,3 +48,9 @@ def test_dense_random_values():
     v = (torch.rand(200_000, generator=g) * 12 - 6)
     v = torch.cat([v, v * 1e-3, torch.tensor([-0.0, 6.0, -6.0])]).to(DEVICE)
     assert torch.equal(_round(v), nvfp4.round_e2m1(v))
+
+
+def test_values_beyond_six_saturate_like_the_clamped_definition():
+    v = torch.tensor([6.0, 6.000001, 6.5, 7.0, 12.0, 448.0, 1e30, 3.4e38])
+    v = torch.cat([v, -v]).to(DEVICE)
+    assert torch.equal(_round(v), nvfp4.round_e2m1(v.clamp(-6.0, 6.0)))
