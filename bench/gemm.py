@@ -18,7 +18,8 @@ For each shape (N, K) and M it times, with triton.testing.do_bench_cudagraph (me
                 weight (DECODE_X_MIN_M = 1; same bits)
   minite-gemm-s1 S > 1: the GEMM with one K chunk (CHUNKS_OVERRIDE = 1): what the chunks cost, or save, at
                 this M (a different reduction order: S is one per (N, K) for every M, so a change of S
-                changes the bits of the rollout and the learner alike)
+                changes the bits of the rollout and the learner alike); `--chunks 1,2,4` times each listed S
+                (minite-gemm-s<S>, here and in the decode layer), the curve `k_chunks` chooses a point on
 and the activation-quantize kernel's bandwidth against a plain device copy, and (`decode_layer`) a Qwen3
 layer's seven linears at decode batch sizes as the model runs them. It also checks, on the GPU,
 that the swapped narrow tiles (M <= 128: BLOCK_M 16/32/64/128) give the same bits as the wide ones (the
@@ -93,7 +94,7 @@ def tile_config_check(n: int, k: int) -> dict:
     return {"small_tiles_same_bits": all(same_tiles.values()), "by_M": same_tiles, "invariant": bool(invariant)}
 
 
-def run(quick: bool) -> list[dict]:
+def run(quick: bool, chunks=(1,)) -> list[dict]:
     rows = []
     ms = [1, 16, 64, 4096] if quick else MS
     for n, k in SHAPES:
@@ -138,10 +139,11 @@ def run(quick: bool) -> list[dict]:
                 gemm_mod.DECODE_X_MIN_M = 1
                 r["minite-gemm-x-decoded"] = bench(lambda: gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16))
                 gemm_mod.DECODE_X_MIN_M = None
-            if r["S"] > 1:  # what the K chunks cost: S = 1 (a different reduction order, so other bits)
-                gemm_mod.CHUNKS_OVERRIDE = 1
-                r["minite-gemm-s1"] = bench(lambda: gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16))
-                gemm_mod.CHUNKS_OVERRIDE = None
+            for s in chunks:  # what the K chunks cost: another S (a different reduction order, so other bits)
+                if s != r["S"] and triton.cdiv(k, gemm_mod.FP4_BLOCK_K) % s == 0:
+                    gemm_mod.CHUNKS_OVERRIDE = s
+                    r[f"minite-gemm-s{s}"] = bench(lambda: gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16))
+                    gemm_mod.CHUNKS_OVERRIDE = None
             rows.append(r)
             print(json.dumps(r), flush=True)
     return rows
@@ -278,7 +280,7 @@ def decoded_sweep():
 LAYERS = {"0.6b": (1024, 2048, 1024, 3072), "1.7b": (2048, 2048, 1024, 6144)}
 
 
-def decode_layer(ms=(16, 64)) -> list[dict]:
+def decode_layer(ms=(16, 64), chunks=(1,)) -> list[dict]:
     """A layer's linears as a decode step runs them (M = batch rows), CUDA-graph medians:
       cublas-bf16   the seven bf16 matmuls (torch.matmul), after a torch RMSNorm
       minite-bf16   the model's ops on bf16 weights (triton backend): q/k/v and gate/up in one launch each
@@ -286,8 +288,8 @@ def decode_layer(ms=(16, 64)) -> list[dict]:
       nvfp4-now     NVFP4 as the model runs it: RMSNorm and SiLU*up quantize their output in the same kernel,
                     q/k/v and gate/up in one GEMM launch each
     and the two last ones again with programmatic dependent launch on (`kernels/pdl.py`; off by default),
-    nvfp4-now with the activations decoded by their own launch (DECODE_X_MIN_M = 1), and with one K chunk per
-    linear (S = 1).
+    nvfp4-now with the activations decoded by their own launch (DECODE_X_MIN_M = 1), and with S K chunks for
+    every linear (S = 1 and the other `chunks`).
     The attention output (the o_proj input) is a random activation; attention itself is not timed."""
     g = torch.Generator(device="cuda").manual_seed(0)
     rnd = lambda *s: torch.randn(*s, device="cuda", generator=g, dtype=torch.bfloat16)  # noqa: E731
@@ -332,9 +334,10 @@ def decode_layer(ms=(16, 64)) -> list[dict]:
             gemm_mod.DECODE_X_MIN_M = 1  # the activations decoded by their own launch (same bits)
             r["nvfp4-now-x-decoded"] = bench(lambda: minite(wq, True))
             gemm_mod.DECODE_X_MIN_M = None
-            gemm_mod.CHUNKS_OVERRIDE = 1  # every linear with one K chunk (other bits): what the chunks cost here
-            r["nvfp4-now-s1"] = bench(lambda: minite(wq, True))
-            gemm_mod.CHUNKS_OVERRIDE = None
+            for s in chunks:  # every linear with S K chunks (other bits): what the chunks cost here
+                gemm_mod.CHUNKS_OVERRIDE = s
+                r[f"nvfp4-now-s{s}"] = bench(lambda: minite(wq, True))
+                gemm_mod.CHUNKS_OVERRIDE = None
             rows.append(r)
             print("# decode layer", json.dumps(r), flush=True)
     return rows
@@ -347,7 +350,9 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="first time a few fixed tile configs")
     ap.add_argument("--grouped-only", action="store_true", help="only the MoE grouped GEMM table")
     ap.add_argument("--decoded-sweep", action="store_true", help="first time the decoded wide path's tiles")
+    ap.add_argument("--chunks", default="1", help="K chunk counts S to time beside k_chunks' own, e.g. 1,2,4")
     args = ap.parse_args()
+    chunks = tuple(int(c) for c in args.chunks.split(","))
     if not torch.cuda.is_available():
         sys.exit("bench/gemm.py needs a CUDA GPU")
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
@@ -358,7 +363,7 @@ def main():
     def us(v):
         return f"{v * 1e6:9.1f}" if v else "      n/a"
 
-    layer = [] if args.grouped_only else decode_layer()
+    layer = [] if args.grouped_only else decode_layer(chunks=chunks)
     grouped = run_grouped(args.quick)
     if args.grouped_only:
         checks, qbw, rows = {}, None, []
@@ -366,7 +371,7 @@ def main():
         checks = {f"{n}x{k}": tile_config_check(n, k) for n, k in SHAPES}
         print("# tile/invariance checks:", json.dumps(checks), flush=True)
         qbw = quantize_bandwidth()
-        rows = run(args.quick)
+        rows = run(args.quick, chunks)
     if args.json:
         Path(args.json).write_text(json.dumps({"checks": checks, "quantize": qbw, "gemm": rows, "grouped": grouped,
                                                "decode_layer": layer}, indent=1))
@@ -394,7 +399,15 @@ def main():
         print(f"decode {r['model']:4s} {r['M']:3d} | {us(r['cublas-bf16'])}us | {us(r['minite-bf16'])}us | {us(r['nvfp4-before'])}us  |"
               f" {us(r['nvfp4-now'])}us | {r['nvfp4-before'] / r['nvfp4-now']:6.2f}x       | {r['minite-bf16'] / r['nvfp4-now']:6.2f}x"
               f"            | {us(r['minite-bf16-pdl'])}us {us(r['nvfp4-now-pdl'])}us | {us(r['nvfp4-now-x-decoded'])}us |"
-              f" {us(r['nvfp4-now-s1'])}us")
+              f" {us(r.get('nvfp4-now-s1'))}us")
+    if chunks != (1,):
+        print("\nK chunks   N     K     M  S | own S     | " + " | ".join(f"S = {s:<5d}" for s in chunks) + "  (us; GEMM only, or the layer's linears)")
+        for r in rows:
+            print(f"chunks {r['N']:5d} {r['K']:5d} {r['M']:5d} {r['S']:2d} | {us(r['minite-gemm'])} | "
+                  + " | ".join(us(r.get(f"minite-gemm-s{s}")) for s in chunks))
+        for r in layer:
+            print(f"chunks layer {r['model']:4s} M {r['M']:3d} | {us(r['nvfp4-now'])} | "
+                  + " | ".join(us(r.get(f"nvfp4-now-s{s}")) for s in chunks))
 
 
 if __name__ == "__main__":

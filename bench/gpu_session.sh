@@ -39,7 +39,7 @@ for p in $parts; do
     learner) timeout ${LEARNER_TIMEOUT:-300} python3 bench/learner.py ${LEARNER_ARGS:---steps 5 --backward fp8} 2>&1 \
              | tee "$OUT/learner.txt" | tail -30 ;;
     attention) timeout 120 python3 bench/attention.py 2>&1 | tee "$OUT/attention.txt" | tail -20 ;;
-    gemm) timeout 240 python3 bench/gemm.py ${GEMM_ARGS:---quick} --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.txt" | tail -40 ;;
+    gemm) timeout 240 python3 bench/gemm.py ${GEMM_ARGS:---quick --chunks 1,2,4} --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.txt" | tail -40 ;;
     gemm-bits) MINITE_FP4_DECODE=bits timeout 240 python3 bench/gemm.py ${GEMM_ARGS:---quick} --json "$OUT/gemm_bits.json" 2>&1 \
              | tee "$OUT/gemm_bits.txt" | tail -40 ;;
   esac
