@@ -131,17 +131,17 @@ def e2m1_to_fp16(nibble):
 
 
 @triton.jit
-def e4m3_to_fp16(byte, UNIT: tl.constexpr = 1.0):
-    """Non-negative E4M3 scale bytes (int16) -> fp16 value * UNIT (a power of two): byte << 7 encodes
-    value * 2^-8 (subnormals too)."""
-    return (byte << 7).to(tl.float16, bitcast=True) * (256.0 * UNIT)
+def e4m3_to_fp16(byte):
+    """Non-negative E4M3 scale bytes (int16) -> fp16: byte << 7 encodes value * 2^-8 (subnormals too)."""
+    return (byte << 7).to(tl.float16, bitcast=True) * 256.0
 
 
-# 4 packed bytes (8 E2M1 codes, one 32-bit register) -> the 4 even codes and the 4 odd ones as fp16 code * 2^-6
-# (two f16x2 registers each). Each code becomes an E4M3 byte: its 3 magnitude bits go to bits 4..2 (exponent
-# 00ee, mantissa m00: (1 + m/2) 2^(e-7), or m/2 2^-6 for e = 0, so the E2M1 value times 2^-6, subnormals
-# included), its sign to bit 7, four bytes at once; the hardware's E4M3 -> f16x2 conversion does the rest.
-# Triton packs element 0 of a group of 4 into the low byte (the low half for fp16), as the conversion does.
+# 4 packed bytes (8 E2M1 codes; two int16 elements of the tile, which Triton packs into one 32-bit register, element
+# 0 in the low half) -> for each int16, an f16x2 of its 2 even codes ($0, $1) and one of its 2 odd codes ($2, $3),
+# as fp16 code * 2^-6. Each code becomes an E4M3 byte: its 3 magnitude bits go to bits 4..2 (exponent 00ee,
+# mantissa m00: (1 + m/2) 2^(e-7), or m/2 2^-6 for e = 0, so the E2M1 value times 2^-6, subnormals included),
+# its sign to bit 7, four bytes at once; the hardware's E4M3 -> f16x2 conversion (low byte -> low half) does the
+# rest. tests/kernels/test_decode_ptx.py executes this text on the CPU.
 _E2M1X8_PTX = tl.constexpr("""{
 .reg .b32 m, s, lo, hi;
 .reg .b16 l0, l1, h0, h1;
@@ -222,7 +222,7 @@ def decode_scales(scale_bytes, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def decode_step(packed, scale_bytes, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One BLOCK_K step of packed bytes [ROWS, BLOCK_K/2] and E4M3 scale bytes [ROWS, BLOCK_K/16] -> (even,
+    """One BLOCK_K step of packed bytes (as `load_packed` gives them) and E4M3 scale bytes [ROWS, BLOCK_K/16] -> (even,
     odd) fp16 tiles [ROWS, BLOCK_K/2] of code * block scale: each block scale decoded once, then spread
     over its 8 bytes."""
     return decode_nvfp4_pairs(packed, decode_scales(scale_bytes, ROWS, BLOCK_K), ROWS, BLOCK_K)

@@ -127,3 +127,20 @@ def test_a_gpu_without_the_conversion_gets_a_clear_error(monkeypatch):
         gemm.check_decode(torch.device("cpu"))  # nothing to check off the GPU
     finally:
         gemm.decode_supported.cache_clear()
+
+
+def test_packed_bytes_at_odd_addresses_are_refused_on_the_gpu(monkeypatch):
+    """The PTX decode loads the packed bytes two at a time: a view whose rows start at odd addresses (never
+    made by `nvfp4`, but a user may slice one) is a named ValueError, not a misaligned load."""
+    monkeypatch.setattr(gemm, "_DECODE", "ptx")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    gemm.decode_supported.cache_clear()
+    try:
+        data = torch.zeros(4, 9, dtype=torch.uint8)[:, 1:]  # rows of 8 bytes (K = 16), 9 bytes apart
+        scale = torch.ones(4, 1).to(torch.float8_e4m3fn)
+        odd = nvfp4.NVFP4Tensor(data, scale, torch.tensor(1.0), (4, 16))
+        with pytest.raises(ValueError, match="odd byte addresses"):
+            gemm.check_decode(torch.device("cuda", 0), odd)
+        gemm.check_decode(torch.device("cuda", 0), nvfp4.NVFP4Tensor(data.clone(), scale, torch.tensor(1.0), (4, 16)))
+    finally:
+        gemm.decode_supported.cache_clear()
