@@ -205,7 +205,7 @@ def sm90_cases() -> list[tuple]:
                       dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=16, num_warps=4, num_stages=1), (), 1, _QK_PTRS))
     # the FP8 backward's per-row e4m3 operands (bf16 in)
     from minite_core.kernels import fp8 as fp8_mod
-    cases.append(("e4m3_rows", fp8_mod._e4m3_rows_kernel, dict(BLOCK_R=16, BLOCK_C=256),
+    cases.append(("e4m3_rows", fp8_mod._e4m3_rows_kernel, dict(HW_CVT=True, BLOCK_R=16, BLOCK_C=256),
                   dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=16, num_warps=4, num_stages=1), ("stride_c",), 16,
                   dict(a_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32")))
     cases.append(("quantize_row_gs", qmod._quantize_kernel, dict(ROW_GS=True, NB=64, EVEN_K=True),

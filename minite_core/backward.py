@@ -105,14 +105,16 @@ def _pad16(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 def e4m3_rows(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of a [R, C] -> (e4m3 [RP, CP], fp32 scales [RP, 1]): a zero-padded to multiples of 16 in both
-    dimensions (the FP8 GEMM's alignment; zero rows get scale 1 and add nothing), each row divided by
-    amax / 448 (1 for a zero row) and rounded to e4m3, so a ~= q * scale; row-major, as the FP8 GEMM wants
-    its operands. The definition; `kernels.fp8.e4m3_rows_triton` writes the same bytes and scales in one
-    pass, reading transposed views without a copy."""
+    dimensions (the FP8 GEMM's alignment; zero rows get scale 1 and add nothing), each row multiplied by
+    1 / scale, scale = amax / 448 (1 for a zero row), and rounded to e4m3, so a ~= q * scale; row-major, as
+    the FP8 GEMM wants its operands. (A multiply by the row's reciprocal, not a division per element: the
+    kernel's loop is then one multiply and the hardware's e4m3 conversion a value.) The definition;
+    `kernels.fp8.e4m3_rows_triton` writes the same bytes and scales in one pass, reading transposed views
+    without a copy."""
     a = _pad16(_pad16(a, 1), 0).contiguous()
     amax = a.abs().amax(dim=1, keepdim=True).float()
     scale = torch.where(amax > 0, amax / nvfp4.E4M3_MAX, torch.ones_like(amax))
-    return (a.float() / scale).to(torch.float8_e4m3fn), scale
+    return (a.float() * (1.0 / scale)).to(torch.float8_e4m3fn), scale
 
 
 def _fp8_mm(a: torch.Tensor, b: torch.Tensor, rows=e4m3_rows) -> torch.Tensor:

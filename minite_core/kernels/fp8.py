@@ -7,11 +7,13 @@ the operands the backward reads transposed (g.T, W.T, Q(x).T) a transposed copy 
 over each operand, which cost more than the e4m3 GEMM saves over bf16 (docs/benchmarks.md, issue 18).
 
 `e4m3_rows_triton(a)` reads a [R, C] through its strides (a transposed view costs no copy), one program
-per BLOCK_R rows: a first walk along the row takes the amax, a second divides (IEEE `div_rn`, as torch's
-`/`) and encodes, writing the padded [RP, CP] bytes and the [RP, 1] scales. The encoding is done on the
-fp32 bits (`e4m3_code`: `quantize.e4m3_round_bits` for the normal range, an exact round-to-integer of
-v * 2^9 for the subnormals, the sign kept for zeros) rather than by the target's fp8 conversion, so the
-bytes equal torch's cast on every device, the interpreter included (tests/kernels/test_fp8.py).
+per BLOCK_R rows: a first walk along the row takes the amax, a second multiplies by the row's reciprocal
+scale (IEEE `div_rn` once a row, as torch's `1 / scale`) and encodes, writing the padded [RP, CP] bytes and
+the [RP, 1] scales. On the GPU the encoding is the hardware's fp32 -> e4m3 conversion (`cvt.rn.satfinite`,
+round to nearest even, sm_89+: one instruction for two values); under the interpreter, whose fp8 cast does
+not round to nearest, it is done on the fp32 bits (`e4m3_code`: `quantize.e4m3_round_bits` for the normal
+range, an exact round-to-integer of v * 2^9 for the subnormals, the sign kept for zeros). Both give torch's
+bytes (tests/kernels/test_fp8.py, on the CPU and in the GPU session).
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ def e4m3_code(v):
 
 @triton.jit
 def _e4m3_rows_kernel(a_ptr, q_ptr, s_ptr, R, C, RP, CP, stride_r, stride_c, stride_q,
-                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                      HW_CVT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_r = rows < R
     src = a_ptr + rows.to(tl.int64)[:, None] * stride_r
@@ -53,11 +55,16 @@ def _e4m3_rows_kernel(a_ptr, q_ptr, s_ptr, R, C, RP, CP, stride_r, stride_c, str
         amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
     scale = tl.where(amax > 0, tl.div_rn(amax, _MAX), 1.0)
     tl.store(s_ptr + rows, scale, mask=rows < RP)
+    inv = tl.div_rn(tl.full([BLOCK_R], 1.0, tl.float32), scale)[:, None]
     dst = q_ptr + rows.to(tl.int64)[:, None] * stride_q
     for c0 in range(0, CP, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         x = tl.load(src + cols[None, :] * stride_c, mask=in_r[:, None] & (cols < C)[None, :], other=0.0)
-        code = e4m3_code(tl.div_rn(x.to(tl.float32), scale[:, None]))
+        v = x.to(tl.float32) * inv  # |v| <= 448 up to the roundings of scale and 1 / scale: rounds to 448
+        if HW_CVT:
+            code = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            code = e4m3_code(v)
         tl.store(dst + cols[None, :], code, mask=(rows < RP)[:, None] & (cols < CP)[None, :])
 
 
@@ -73,5 +80,6 @@ def e4m3_rows_triton(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if rp:
         block_r, block_c = (16, 32) if interpreting() else (16, 256)
         _e4m3_rows_kernel[(triton.cdiv(rp, block_r),)](a, q, s, r, c, rp, cp, a.stride(0), a.stride(1), q.stride(0),
-                                                       BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+                                                       HW_CVT=not interpreting(), BLOCK_R=block_r, BLOCK_C=block_c,
+                                                       num_warps=4)
     return q.view(torch.float8_e4m3fn), s
