@@ -149,6 +149,12 @@ def mix(loop: list[tuple[int, str]]) -> Counter:
     return Counter(op.split(".")[0] for _, op in loop)
 
 
+def _walk(k: int, cfg: dict) -> int:
+    """`w4a4_tile`'s CHUNKED for a config of K: 0 (one chunk), 1 (chunks of several steps), 2 (one-step chunks)."""
+    bk, s = cfg["BLOCK_K"], cfg["CHUNKS"]
+    return gemm_mod.walk_mode(s, triton.cdiv(triton.cdiv(k, bk), s) * bk, bk)
+
+
 def sm90_cases() -> list[tuple]:
     """(name, kernel, constexprs, config, scalar args that are 0 or 1, M, [pointer types]) of every kernel
     probed; the kernels that take PDL get PDL=True, as they launch on sm_90."""
@@ -161,7 +167,7 @@ def sm90_cases() -> list[tuple]:
             for nseg in ((1, 3) if (n_, k_) == (1024, 1024) and not a_dec else (1,)):  # 3: q/k/v in one launch
                 const = dict(FP4=True, DOT_FP32=False, DOT_BY_SUM=False, EVEN_K=True, HAS_BIAS=False,
                              SWAP_AB=cfg["SWAP_AB"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                             GROUP_M=cfg["GROUP_M"], CHUNKED=cfg["CHUNKS"] > 1, SPLIT=cfg["SPLIT"],
+                             GROUP_M=cfg["GROUP_M"], CHUNKED=_walk(k_, cfg), SPLIT=cfg["SPLIT"],
                              DECODED=cfg["DECODED"], A_DECODED=a_dec, NSEG=nseg,
                              FIXUP=cfg["SPLIT"] and gemm_mod.COMBINE_IN_KERNEL)
                 kind = "split" if cfg["SPLIT"] else ("walk" if cfg["CHUNKS"] > 1 else "one")
@@ -187,7 +193,7 @@ def sm90_cases() -> list[tuple]:
     for bm in (16, 64):
         cfg = dict(gemm_mod.SWAP_CONFIGS[bm], BLOCK_M=bm, BLOCK_K=gemm_mod.FP4_BLOCK_K, SWAP_AB=True)
         const = dict(EVEN_K=True, SWAP_AB=True, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], E_PAD=128,
-                     CHUNKED=gemm_mod.k_chunks(n, k) > 1)
+                     CHUNKED=_walk(k, dict(cfg, CHUNKS=gemm_mod.k_chunks(n, k))))
         name = f"grouped_E128_S{gemm_mod.k_chunks(n, k)}_{bm}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}_w{cfg['num_warps']}s{cfg['num_stages']}"
         cases.append((name, gg._grouped_kernel, const, cfg, ("stride_ags", "stride_bgse", "stride_bgsn"), bm))
     # the row kernels that quantize their output (RMSNorm, SiLU * up) and the quantize kernel, 0.6B/1.7B widths

@@ -28,7 +28,8 @@ an fp32 scratch [S, M, N] (torch.empty in the launcher: no sync, graph-capturabl
 program to finish (a per-tile arrival counter: a CTA barrier, then an acq_rel atomic at GPU scope, the
 partials read back past L1) adds the S partials in chunk order and applies the epilogue, so no second
 launch (COMBINE_IN_KERNEL; False: `_combine_kernel` does the same additions). M > 128 and the grouped kernel: one program
-walks the chunks in order, a second accumulator `total` in registers (`w4a4_tile` with CHUNKED), no
+walks the chunks in order, a second accumulator `total` in registers (`w4a4_tile` with CHUNKED; chunks of
+one step start each step's chain from no accumulator and add it into `total`, without selects), no
 scratch; with S > 1 the wide tile is 128x128 (a 128x256 tile with two accumulators would spill).
 
 Why a row's bits cannot depend on the tile (so M, the other rows, and the config chosen for M do not
@@ -243,7 +244,12 @@ def w4a4_tile(
     BLOCK_K, and inside a step first the BLOCK_K/2 even elements, then the odd ones, each fed to the MMA
     in k16 chunks from low to high k, into one accumulator per chunk of `chunk_k` elements (started from
     zero). CHUNKED (more than one chunk for this (N, K)): the chunk sums are added into `total` in chunk
-    order, total = ((0 + c0) + c1) + ..., and `total` is returned; else the one accumulator is.
+    order, total = ((0 + c0) + c1) + ..., and `total` is returned; else the one accumulator is. CHUNKED = 2
+    when every chunk is one BLOCK_K step (the 0.6B widths: S = steps): each step's chain then starts from no
+    accumulator (wgmma's zero-input form) and is added into `total`, with no selects; CHUNKED = 1 walks
+    chunks of several steps with the two selects below. The same fp32 additions either way (a chain started
+    from zero differs from one started from no input only in the sign of a zero sum, which the addition
+    into `total`, itself started from +0, cannot carry).
     [k_lo, k_hi) is either all of K or one chunk (the split programs, with CHUNKED = False: they return the
     chunk's chain c_i and `_combine_kernel` does the same additions). The dense and the grouped kernel
     both call this, so a row gets the same bits from either.
@@ -284,13 +290,18 @@ def w4a4_tile(
             a_even, a_odd = decode_step(a, sa, BLOCK_M, BLOCK_K)
         if not DECODED:
             b_even, b_odd = decode_step(b, sb, BLOCK_N, BLOCK_K)
-        if SWAP_AB:  # M <= 128: the weight tile is the MMA's first operand (kept in registers)
+        if CHUNKED == 2:  # one-step chunks: the step's chain from zero, added into the total
+            if SWAP_AB:
+                total_t += tl.dot(b_odd, tl.trans(a_odd), tl.dot(b_even, tl.trans(a_even)))
+            else:
+                total += tl.dot(a_odd, tl.trans(b_odd), tl.dot(a_even, tl.trans(b_even)))
+        elif SWAP_AB:  # M <= 128: the weight tile is the MMA's first operand (kept in registers)
             acc_t = tl.dot(b_even, tl.trans(a_even), acc_t)
             acc_t = tl.dot(b_odd, tl.trans(a_odd), acc_t)
         else:
             acc = tl.dot(a_even, tl.trans(b_even), acc)
             acc = tl.dot(a_odd, tl.trans(b_odd), acc)
-        if CHUNKED:
+        if CHUNKED == 1:
             # the last step of a chunk (chunks start at multiples of chunk_k; the last one ends at K): total += acc,
             # acc = 0; selects, not a branch, so the accumulator stays in one chain of asynchronous MMAs
             end = ((k0 + BLOCK_K) % chunk_k == 0) | (k0 + BLOCK_K >= k_hi)
@@ -722,7 +733,7 @@ def _launch(x, xd, segs: list, cfg: dict, fp4: bool):
     kernel = _gemm_kernel[(tiles, chunks if split else 1)](
         *a_args, *flat, part, counters, m, k, chunk_k, n_total, t1, t2, grid_n, *strides,
         FP4=fp4, DOT_FP32=not fp4 and x.dtype == torch.float32, DOT_BY_SUM=interpreting() and not fp4,
-        EVEN_K=k % bk == 0, HAS_BIAS=has_bias, CHUNKED=chunks > 1, SPLIT=split, DECODED=decoded, A_DECODED=a_decoded,
+        EVEN_K=k % bk == 0, HAS_BIAS=has_bias, CHUNKED=walk_mode(chunks, chunk_k, bk), SPLIT=split, DECODED=decoded, A_DECODED=a_decoded,
         NSEG=len(segs), FIXUP=fixup, **cfg, **pdl.launch(x.device),
     )
     if split and not fixup:
@@ -737,6 +748,11 @@ def _launch(x, xd, segs: list, cfg: dict, fp4: bool):
 
 
 _COUNTERS: dict = {}  # (device, stream) -> the counter buffers, newest last (older ones kept alive)
+
+
+def walk_mode(chunks: int, chunk_k: int, block_k: int) -> int:
+    """`w4a4_tile`'s CHUNKED: 0 for one chunk, 2 when every chunk is one BLOCK_K step, else 1."""
+    return 0 if chunks == 1 else 2 if chunk_k == block_k else 1
 
 
 def tile_counters(device: torch.device, n: int) -> torch.Tensor:

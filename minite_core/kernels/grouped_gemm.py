@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 from ..nvfp4 import NVFP4Tensor
-from .gemm import FP4_BLOCK_K, SWAP_CONFIGS, check_decode, interpreting, k_chunks, swap_block_m, w4a4_epilogue, w4a4_tile
+from .gemm import (FP4_BLOCK_K, SWAP_CONFIGS, check_decode, interpreting, k_chunks, swap_block_m, w4a4_epilogue,
+                   w4a4_tile, walk_mode)
 
 
 class MoeSort(NamedTuple):
@@ -167,7 +168,8 @@ def grouped_gemm(xq: NVFP4Tensor, w: NVFP4Tensor, expert_offsets: torch.Tensor,
         n, k, e, chunk_k,
         xq.data.stride(0), xq.scale.stride(0), s_ags,
         w.data.stride(0), w.data.stride(1), w.scale.stride(0), w.scale.stride(1), s_ge, s_gn, c.stride(0),
-        E_PAD=triton.next_power_of_2(e), EVEN_K=k % cfg["BLOCK_K"] == 0, CHUNKED=chunks > 1, **cfg,
+        E_PAD=triton.next_power_of_2(e), EVEN_K=k % cfg["BLOCK_K"] == 0,
+        CHUNKED=walk_mode(chunks, chunk_k, cfg["BLOCK_K"]), **cfg,
     )
     return c
 

@@ -112,8 +112,25 @@ def test_linear_matches_fp64_reference(backend, wkind, scale_mode):
 INVARIANCE_MS = [1, 5, 16, 17, 40, 64, 100, 128, 129, 300]
 # (N, K, S = the K chunks): S = 1 (one chain), S > 1 split over programs (M <= 128) or walked in one (M > 128)
 # (on the CPU interpreter one shape per chunk count, K not a power of two where it splits: CI time)
-INVARIANCE_SHAPES = ([(40, 64, 1), (40, 96, 2), (40, 224, 4)] if DEVICE == "cpu" else
+# (the K chunks' walk for M > 128 has two forms, chunks of several steps and one-step chunks: CPU K = 224 at
+# S = 2 gives chunks of 2 steps of 64, at S = 4 one-step chunks; test_the_shapes_cover_both_walks)
+INVARIANCE_SHAPES = ([(40, 64, 1), (100, 224, 2), (40, 224, 4)] if DEVICE == "cpu" else
                      [(17000, 1024, 1), (12288, 4096, 2), (1024, 1024, 8), (1536, 2048, 16), (1536, 2000, 16)])
+
+
+@pytest.mark.gpu if HAS_CUDA else pytest.mark.interpreter
+@pytest.mark.skipif(not HAS_TRITON, reason="triton missing")
+def test_the_shapes_cover_both_walks():
+    from triton import cdiv
+
+    from minite_core.kernels.gemm import gemm_config, walk_mode
+
+    modes = set()
+    for n, k, _ in INVARIANCE_SHAPES:
+        cfg = gemm_config(300, n, k, True)
+        bk, s = cfg["BLOCK_K"], cfg["CHUNKS"]
+        modes.add(walk_mode(s, cdiv(cdiv(k, bk), s) * bk, bk))
+    assert modes == {0, 1, 2}, modes
 
 
 @pytest.mark.gpu if HAS_CUDA else pytest.mark.interpreter

@@ -54,7 +54,19 @@ def _check_against_dense(out, xq, experts, offsets):
             assert torch.equal(out[lo:hi], dense), f"expert {e}: rows {lo}..{hi}"
 
 
-SHAPES = [(6, 40, 128), (5, 72, 96), (4, 40, 256)] if DEVICE == "cpu" else [(8, 768, 1024), (16, 1536, 2048), (8, 256, 2000)]
+# (E, N, K): the K chunks walked in one-step chunks and, in the last shape, in chunks of several steps
+# (test_the_shapes_cover_both_walks); K not a multiple of the K tile in one of them
+SHAPES = [(6, 40, 128), (5, 72, 96), (4, 100, 256)] if DEVICE == "cpu" else [(8, 768, 1024), (16, 1536, 2048), (8, 4608, 2000)]
+
+
+def test_the_shapes_cover_both_walks():
+    from triton import cdiv
+
+    from minite_core.kernels.gemm import k_chunks, walk_mode
+
+    bk = 64 if DEVICE == "cpu" else gg.FP4_BLOCK_K
+    modes = {walk_mode(k_chunks(n, k), cdiv(cdiv(k, bk), k_chunks(n, k)) * bk, bk) for _, n, k in SHAPES}
+    assert modes == {1, 2}, modes
 
 
 @pytest.mark.parametrize("e,n,k", SHAPES)
