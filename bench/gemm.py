@@ -16,6 +16,8 @@ For each shape (N, K) and M it times, with triton.testing.do_bench_cudagraph (me
                 the default decodes both operands once, `decode-both`, and runs the tile on fp16)
   minite-gemm-x-decoded M <= 128: the activation decoded once by its own launch, the tile decoding only the
                 weight (DECODE_X_MIN_M = 1; same bits)
+  minite-gemm-select-walk M > 128, S > 1: the chunks walked by one loop with selects (WALK_OVERRIDE = 1)
+                instead of the default walk (a loop over long chunks, or one-step chunks without selects); same bits
   minite-gemm-s1 S > 1: the GEMM with one K chunk (CHUNKS_OVERRIDE = 1): what the chunks cost, or save, at
                 this M (a different reduction order: S is one per (N, K) for every M, so a change of S
                 changes the bits of the rollout and the learner alike); `--chunks 1,2,4` times each listed S
@@ -139,6 +141,12 @@ def run(quick: bool, chunks=(1,)) -> list[dict]:
                 gemm_mod.DECODE_X_MIN_M = 1
                 r["minite-gemm-x-decoded"] = bench(lambda: gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16))
                 gemm_mod.DECODE_X_MIN_M = None
+            if m > gemm_mod.SWAP_MAX_M and r["S"] > 1:  # long chunks' nested walk vs the select walk (same bits)
+                out = gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16)
+                gemm_mod.WALK_OVERRIDE = 1
+                r["minite-gemm-select-walk"] = bench(lambda: gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16))
+                r["select-walk-same-bits"] = torch.equal(out, gemm_mod.gemm_triton(xq, wq, None, torch.bfloat16))
+                gemm_mod.WALK_OVERRIDE = None
             for s in chunks:  # what the K chunks cost: another S (a different reduction order, so other bits)
                 if s != r["S"] and triton.cdiv(k, gemm_mod.FP4_BLOCK_K) % s == 0:
                     gemm_mod.CHUNKS_OVERRIDE = s
@@ -392,6 +400,10 @@ def main():
               f" {us(r.get('minite-gemm-wide-tiles'))}   |"
               f" {us(r.get('minite-gemm-packed'))}   | {us(r.get('minite-gemm-x-decoded'))} | {us(r.get('minite-gemm-s1'))} |"
               f" {r['cublas-bf16'] / r['minite-w4a4']:6.2f}x      | {flop / r['minite-w4a4'] / 1e12:7.1f} ({flop / r['cublas-bf16'] / 1e12:6.1f})")
+    for r in rows:
+        if "minite-gemm-select-walk" in r:
+            print(f"walk {r['N']:5d} {r['K']:5d} {r['M']:5d} {r['S']:2d} | gemm only {us(r['minite-gemm'])}us, with the select walk"
+                  f" {us(r['minite-gemm-select-walk'])}us, same bits: {r['select-walk-same-bits']}")
     print(f"\nquantize 8192x4096 bf16: {qbw['quantize_GBps']:.0f} GB/s vs copy {qbw['copy_GBps']:.0f} GB/s = {qbw['ratio']:.2f}")
     print("\nmodel    M | cuBLAS bf16 | minite bf16 | nvfp4 before | nvfp4 now | now vs before | now vs minite bf16 | with PDL: bf16, nvfp4 | nvfp4 x decoded | nvfp4 S = 1"
           " (a layer's linears)")

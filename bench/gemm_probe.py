@@ -122,6 +122,21 @@ def sass_of(cubin: bytes) -> str:
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\.[A-Z0-9_.]+)?")
 
 
+def loops(sass: str) -> list[list[tuple[int, str]]]:
+    """Every span a backward `BRA 0x...` closes, as (address, opcode) lists, innermost (shortest) first."""
+    instrs, spans = [], []
+    for line in sass.splitlines():
+        m = _INSTR.search(line)
+        if not m:
+            continue
+        addr = int(m.group(1), 16)
+        instrs.append((addr, m.group(3) + (m.group(4) or "")))
+        t = re.search(r"\bBRA\s+0x([0-9a-f]+)", line)
+        if m.group(3) == "BRA" and t and int(t.group(1), 16) < addr:
+            spans.append((int(t.group(1), 16), addr))
+    return [[(a, op) for a, op in instrs if lo <= a <= hi] for lo, hi in sorted(spans, key=lambda s: s[1] - s[0])]
+
+
 def main_loop(sass: str) -> list[tuple[int, str]]:
     """(address, opcode with suffixes) of the K loop: the longest span closed by a backward `BRA 0x...`
     (cuobjdump prints branch targets as addresses)."""
@@ -161,7 +176,9 @@ def sm90_cases() -> list[tuple]:
     n, k = SHAPE
     cases = []
     # SHAPE (S = 2), plus the Qwen3-0.6B decode shape 1024 x 1024 (S = 8) and N = 16384 (S = 1)
-    for (n_, k_), ms in ((SHAPE, (1, 16, 32, 64, 128, 4096)), ((1024, 1024), (16, 64, 4096)), ((16384, 4096), (4096,))):
+    # and 6144 x 2048 (the 1.7B gate/up, S = 4): the chunk walks, long (12288 x 4096), of one step, of 4 steps
+    for (n_, k_), ms in ((SHAPE, (1, 16, 32, 64, 128, 4096)), ((1024, 1024), (16, 64, 4096)), ((16384, 4096), (4096,)),
+                         ((6144, 2048), (4096,))):
         for m, a_dec in [(m, False) for m in ms] + ([(64, True)] if (n_, k_) == (1024, 1024) else []):
             cfg = dict(_gpu_config(m, n_, k_), A_DECODED=a_dec)  # a_dec: the activation decoded (DECODE_X_MIN_M)
             for nseg in ((1, 3) if (n_, k_) == (1024, 1024) and not a_dec else (1,)):  # 3: q/k/v in one launch

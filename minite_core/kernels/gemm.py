@@ -230,6 +230,54 @@ def decode_step(packed, scale_bytes, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _step_operands(a_ptr, as_ptr, b_ptr, bs_ptr, offs_m, mask_m, offs_n, mask_n, K, k0,
+                   stride_am, stride_asm, stride_bn, stride_bsn,
+                   EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   DECODED: tl.constexpr, A_DECODED: tl.constexpr):
+    """The K step at k0 of both operands as fp16 code * block scale: (a_even, a_odd, b_even, b_odd), each
+    step's even elements then its odd ones (loaded decoded, or loaded packed and decoded here)."""
+    k0 = tl.multiple_of(k0, BLOCK_K)  # steps start at multiples of BLOCK_K: keeps the loads vectorized
+    ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)  # block-scale index
+    kh = k0 + tl.arange(0, BLOCK_K // 2)  # decoded operands: the step's evens, then its odds (zero-padded)
+    if EVEN_K:  # no mask along K, so the byte loads vectorize
+        mask_as, mask_bs = mask_m[:, None], mask_n[:, None]
+    else:
+        mask_as, mask_bs = mask_m[:, None] & (ks < K // 16)[None, :], mask_n[:, None] & (ks < K // 16)[None, :]
+    if DECODED or A_DECODED:  # fp16 code * scale
+        a_even = tl.load(a_ptr + offs_m[:, None] * stride_am + kh[None, :], mask=mask_m[:, None], other=0.0)
+        a_odd = tl.load(a_ptr + offs_m[:, None] * stride_am + (kh + BLOCK_K // 2)[None, :], mask=mask_m[:, None], other=0.0)
+    else:
+        a = load_packed(a_ptr, offs_m, mask_m, stride_am, k0, K, EVEN_K, BLOCK_K)
+    if DECODED:
+        b_even = tl.load(b_ptr + offs_n[:, None] * stride_bn + kh[None, :], mask=mask_n[:, None], other=0.0)
+        b_odd = tl.load(b_ptr + offs_n[:, None] * stride_bn + (kh + BLOCK_K // 2)[None, :], mask=mask_n[:, None], other=0.0)
+    else:
+        b = load_packed(b_ptr, offs_n, mask_n, stride_bn, k0, K, EVEN_K, BLOCK_K)
+    if not (DECODED or A_DECODED):
+        sa = tl.load(as_ptr + offs_m[:, None] * stride_asm + ks[None, :], mask=mask_as, other=0)
+    if not DECODED:
+        sb = tl.load(bs_ptr + offs_n[:, None] * stride_bsn + ks[None, :], mask=mask_bs, other=0)
+    if not (DECODED or A_DECODED):
+        a_even, a_odd = decode_step(a, sa, BLOCK_M, BLOCK_K)
+    if not DECODED:
+        b_even, b_odd = decode_step(b, sb, BLOCK_N, BLOCK_K)
+    return a_even, a_odd, b_even, b_odd
+
+
+@triton.jit
+def _mma_step(acc, a_even, a_odd, b_even, b_odd, SWAP_AB: tl.constexpr):
+    """acc + the step's products, evens then odds, k16 chunks low to high (acc None: wgmma's zero-input
+    form). SWAP_AB (M <= 128): the weight tile is the MMA's first operand, kept in registers, and acc is the
+    transposed tile [BLOCK_N, BLOCK_M]."""
+    if SWAP_AB:
+        acc = tl.dot(b_even, tl.trans(a_even), acc)
+        return tl.dot(b_odd, tl.trans(a_odd), acc)
+    else:
+        acc = tl.dot(a_even, tl.trans(b_even), acc)
+        return tl.dot(a_odd, tl.trans(b_odd), acc)
+
+
+@triton.jit
 def w4a4_tile(
     a_ptr, as_ptr, b_ptr, bs_ptr, offs_m, mask_m, offs_n, mask_n, K, k_lo, k_hi, chunk_k,
     stride_am, stride_asm, stride_bn, stride_bsn,
@@ -243,14 +291,20 @@ def w4a4_tile(
     The K order is fixed by BLOCK_K and the K chunks (`k_chunks`, a function of (N, K)) alone: steps of
     BLOCK_K, and inside a step first the BLOCK_K/2 even elements, then the odd ones, each fed to the MMA
     in k16 chunks from low to high k, into one accumulator per chunk of `chunk_k` elements (started from
-    zero). CHUNKED (more than one chunk for this (N, K)): the chunk sums are added into `total` in chunk
-    order, total = ((0 + c0) + c1) + ..., and `total` is returned; else the one accumulator is. CHUNKED = 2
-    when every chunk is one BLOCK_K step (the 0.6B widths: S = steps): each step's chain then starts from no
-    accumulator (wgmma's zero-input form) and is added into `total`, with no selects; CHUNKED = 1 walks
-    chunks of several steps with the two selects below. The same fp32 additions either way (a chain started
-    from zero differs from one started from no input only in the sign of a zero sum, which the addition
-    into `total`, itself started from +0, cannot carry).
-    [k_lo, k_hi) is either all of K or one chunk (the split programs, with CHUNKED = False: they return the
+    zero). CHUNKED (more than one chunk for this (N, K), `walk_mode`): the chunk sums are added into `total`
+    in chunk order, total = ((0 + c0) + c1) + ..., and `total` is returned; else the one accumulator is.
+    Three forms of that walk, the same fp32 additions in the same order:
+    - 1, chunks of a few steps: one loop over the steps; at a chunk's last step two selects add the
+      accumulator into `total` and reset it (selects, not a branch: ptxas serializes every MMA of a
+      kernel when a branch writes the accumulator);
+    - 2, one-step chunks (the 0.6B widths: S = the step count): each step's chain starts from no accumulator
+      (wgmma's zero-input form) and is added into `total`, with no selects;
+    - 3, long chunks (>= LONG_CHUNK_STEPS steps): a loop over the chunks around a loop over their steps, so
+      inside a chunk the MMA chain is asynchronous and no select runs; each chunk refills its load
+      pipeline, which long chunks amortize.
+    (A chain started from no accumulator differs from one started from zero only in the sign of a zero
+    sum, which the addition into `total`, itself started from +0, cannot carry.)
+    [k_lo, k_hi) is either all of K or one chunk (the split programs, with CHUNKED = 0: they return the
     chunk's chain c_i and `_combine_kernel` does the same additions). The dense and the grouped kernel
     both call this, so a row gets the same bits from either.
 
@@ -259,63 +313,37 @@ def w4a4_tile(
     the tile loads the two halves instead of decoding bytes, and feeds the same values to the same dots.
     A_DECODED: only a (the activations) comes decoded; b is decoded from its packed bytes in the tile.
     """
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    if CHUNKED:
-        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        total_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k0 = tl.multiple_of(k0, BLOCK_K)  # k_lo is a multiple of BLOCK_K: keeps the loads vectorized
-        ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)  # block-scale index
-        kh = k0 + tl.arange(0, BLOCK_K // 2)  # decoded operands: the step's evens, then its odds (zero-padded)
-        if EVEN_K:  # no mask along K, so the byte loads vectorize
-            mask_as, mask_bs = mask_m[:, None], mask_n[:, None]
-        else:
-            mask_as, mask_bs = mask_m[:, None] & (ks < K // 16)[None, :], mask_n[:, None] & (ks < K // 16)[None, :]
-        if DECODED or A_DECODED:  # fp16 code * scale
-            a_even = tl.load(a_ptr + offs_m[:, None] * stride_am + kh[None, :], mask=mask_m[:, None], other=0.0)
-            a_odd = tl.load(a_ptr + offs_m[:, None] * stride_am + (kh + BLOCK_K // 2)[None, :], mask=mask_m[:, None], other=0.0)
-        else:
-            a = load_packed(a_ptr, offs_m, mask_m, stride_am, k0, K, EVEN_K, BLOCK_K)
-        if DECODED:
-            b_even = tl.load(b_ptr + offs_n[:, None] * stride_bn + kh[None, :], mask=mask_n[:, None], other=0.0)
-            b_odd = tl.load(b_ptr + offs_n[:, None] * stride_bn + (kh + BLOCK_K // 2)[None, :], mask=mask_n[:, None], other=0.0)
-        else:
-            b = load_packed(b_ptr, offs_n, mask_n, stride_bn, k0, K, EVEN_K, BLOCK_K)
-        if not (DECODED or A_DECODED):
-            sa = tl.load(as_ptr + offs_m[:, None] * stride_asm + ks[None, :], mask=mask_as, other=0)
-        if not DECODED:
-            sb = tl.load(bs_ptr + offs_n[:, None] * stride_bsn + ks[None, :], mask=mask_bs, other=0)
-        if not (DECODED or A_DECODED):
-            a_even, a_odd = decode_step(a, sa, BLOCK_M, BLOCK_K)
-        if not DECODED:
-            b_even, b_odd = decode_step(b, sb, BLOCK_N, BLOCK_K)
-        if CHUNKED == 2:  # one-step chunks: the step's chain from zero, added into the total
-            if SWAP_AB:
-                total_t += tl.dot(b_odd, tl.trans(a_odd), tl.dot(b_even, tl.trans(a_even)))
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    total = acc
+    if CHUNKED == 3:
+        for c0 in range(k_lo, k_hi, chunk_k):
+            part = tl.zeros_like(acc)
+            for j in range(0, chunk_k, BLOCK_K):
+                a_even, a_odd, b_even, b_odd = _step_operands(
+                    a_ptr, as_ptr, b_ptr, bs_ptr, offs_m, mask_m, offs_n, mask_n, K, c0 + j,
+                    stride_am, stride_asm, stride_bn, stride_bsn, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, DECODED, A_DECODED)
+                part = _mma_step(part, a_even, a_odd, b_even, b_odd, SWAP_AB)
+            total += part
+    else:
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            a_even, a_odd, b_even, b_odd = _step_operands(
+                a_ptr, as_ptr, b_ptr, bs_ptr, offs_m, mask_m, offs_n, mask_n, K, k0,
+                stride_am, stride_asm, stride_bn, stride_bsn, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, DECODED, A_DECODED)
+            if CHUNKED == 2:  # one-step chunks: the step's chain from no accumulator, added into the total
+                total += _mma_step(None, a_even, a_odd, b_even, b_odd, SWAP_AB)
             else:
-                total += tl.dot(a_odd, tl.trans(b_odd), tl.dot(a_even, tl.trans(b_even)))
-        elif SWAP_AB:  # M <= 128: the weight tile is the MMA's first operand (kept in registers)
-            acc_t = tl.dot(b_even, tl.trans(a_even), acc_t)
-            acc_t = tl.dot(b_odd, tl.trans(a_odd), acc_t)
-        else:
-            acc = tl.dot(a_even, tl.trans(b_even), acc)
-            acc = tl.dot(a_odd, tl.trans(b_odd), acc)
-        if CHUNKED == 1:
-            # the last step of a chunk (chunks start at multiples of chunk_k; the last one ends at K): total += acc,
-            # acc = 0; selects, not a branch, so the accumulator stays in one chain of asynchronous MMAs
-            end = ((k0 + BLOCK_K) % chunk_k == 0) | (k0 + BLOCK_K >= k_hi)
-            if SWAP_AB:
-                total_t = tl.where(end, total_t + acc_t, total_t)
-                acc_t = tl.where(end, 0.0, acc_t)
-            else:
+                acc = _mma_step(acc, a_even, a_odd, b_even, b_odd, SWAP_AB)
+            if CHUNKED == 1:  # a chunk's last step (chunks start at multiples of chunk_k, the last ends at K)
+                end = ((k0 + BLOCK_K) % chunk_k == 0) | (k0 + BLOCK_K >= k_hi)
                 total = tl.where(end, total + acc, total)
                 acc = tl.where(end, 0.0, acc)
     if CHUNKED:
         acc = total
-        acc_t = total_t
     if SWAP_AB:
-        acc = tl.trans(acc_t)
+        acc = tl.trans(acc)
     return acc
 
 
@@ -750,9 +778,21 @@ def _launch(x, xd, segs: list, cfg: dict, fp4: bool):
 _COUNTERS: dict = {}  # (device, stream) -> the counter buffers, newest last (older ones kept alive)
 
 
+# Chunks of at least this many K steps are walked by a loop over chunks around a loop over steps (`w4a4_tile`'s
+# CHUNKED = 3); shorter ones by one loop with selects (1), or, one step long, without (2). Same bits.
+LONG_CHUNK_STEPS = 8
+WALK_OVERRIDE: int | None = None  # bench/gemm.py only: 1 times the select walk for every chunk length (same bits)
+
+
 def walk_mode(chunks: int, chunk_k: int, block_k: int) -> int:
-    """`w4a4_tile`'s CHUNKED: 0 for one chunk, 2 when every chunk is one BLOCK_K step, else 1."""
-    return 0 if chunks == 1 else 2 if chunk_k == block_k else 1
+    """`w4a4_tile`'s CHUNKED for S = `chunks` chunks of `chunk_k` elements: 0 for one chunk, 2 when every
+    chunk is one BLOCK_K step, 3 for chunks of LONG_CHUNK_STEPS steps or more, else 1."""
+    if chunks == 1:
+        return 0
+    if WALK_OVERRIDE is not None:
+        return WALK_OVERRIDE
+    steps = chunk_k // block_k
+    return 2 if steps == 1 else 3 if steps >= LONG_CHUNK_STEPS else 1
 
 
 def tile_counters(device: torch.device, n: int) -> torch.Tensor:

@@ -112,10 +112,11 @@ def test_linear_matches_fp64_reference(backend, wkind, scale_mode):
 INVARIANCE_MS = [1, 5, 16, 17, 40, 64, 100, 128, 129, 300]
 # (N, K, S = the K chunks): S = 1 (one chain), S > 1 split over programs (M <= 128) or walked in one (M > 128)
 # (on the CPU interpreter one shape per chunk count, K not a power of two where it splits: CI time)
-# (the K chunks' walk for M > 128 has two forms, chunks of several steps and one-step chunks: CPU K = 224 at
-# S = 2 gives chunks of 2 steps of 64, at S = 4 one-step chunks; test_the_shapes_cover_both_walks)
+# (the K chunks' walk for M > 128 has three forms, `gemm.walk_mode`: on the CPU K = 224 at S = 2 gives chunks
+# of 2 steps of 64, at S = 4 one-step chunks; on the GPU 12288 x 4096 chunks of 16 steps (a loop over chunks),
+# 6144 x 2000 of 4, 1024 x 1024 of one; test_the_shapes_cover_both_walks)
 INVARIANCE_SHAPES = ([(40, 64, 1), (100, 224, 2), (40, 224, 4)] if DEVICE == "cpu" else
-                     [(17000, 1024, 1), (12288, 4096, 2), (1024, 1024, 8), (1536, 2048, 16), (1536, 2000, 16)])
+                     [(17000, 1024, 1), (12288, 4096, 2), (1024, 1024, 8), (1536, 2048, 16), (6144, 2000, 4)])
 
 
 @pytest.mark.gpu if HAS_CUDA else pytest.mark.interpreter
@@ -130,7 +131,9 @@ def test_the_shapes_cover_both_walks():
         cfg = gemm_config(300, n, k, True)
         bk, s = cfg["BLOCK_K"], cfg["CHUNKS"]
         modes.add(walk_mode(s, cdiv(cdiv(k, bk), s) * bk, bk))
-    assert modes == {0, 1, 2}, modes
+    # and the long chunks' walk (3): on the GPU 12288 x 4096 (chunks of 16 steps), on the CPU
+    # test_the_long_chunk_walk_equals_the_split_programs
+    assert modes == ({0, 1, 2} if DEVICE == "cpu" else {0, 1, 2, 3}), modes
 
 
 @pytest.mark.gpu if HAS_CUDA else pytest.mark.interpreter
@@ -175,6 +178,30 @@ def test_w4a4_gemm_rows_do_not_depend_on_the_tile_config(wkind, n, k, chunks):
     mag = reference.mm_nvfp4(_nvfp4_abs(rows(0, 300)), _nvfp4_abs(w))
     got = gemm_triton(rows(0, 300), w, None, torch.float32)
     assert ((got - exact).abs() / (mag + 1e-30)).max().item() < k * 2**-24
+
+
+@pytest.mark.gpu if HAS_CUDA else pytest.mark.interpreter
+@pytest.mark.skipif(not HAS_TRITON, reason="triton missing")
+@pytest.mark.parametrize("decode_wide", [True, False])
+def test_the_long_chunk_walk_equals_the_split_programs(monkeypatch, decode_wide):
+    """Chunks of LONG_CHUNK_STEPS steps or more are walked by a loop over chunks around a loop over steps
+    (CHUNKED = 3): the bits of the split programs (M <= 128) that compute each chunk alone. On the CPU the
+    threshold is lowered so that a test shape (chunks of 2 steps) takes that walk."""
+    from minite_core.kernels import gemm
+
+    n, k, chunks = [s for s in INVARIANCE_SHAPES if s[2] == 2][0]
+    bk = gemm.gemm_config(300, n, k, True)["BLOCK_K"]
+    steps = -(-k // bk) // chunks
+    monkeypatch.setattr(gemm, "LONG_CHUNK_STEPS", steps)
+    monkeypatch.setattr(gemm, "DECODE_WIDE", decode_wide)
+    assert gemm.walk_mode(chunks, steps * bk, bk) == 3
+    w = _weights(n, k, seed=51)["nvfp4-row"]
+    xq = nvfp4.quantize(_rand(300, k, seed=52) * torch.logspace(-3, 2, 300, device=DEVICE).unsqueeze(1))
+    walked = gemm.gemm_triton(xq, w, None, torch.float32)
+    for lo, m in ((0, 1), (40, 17), (150, 128)):
+        rows = nvfp4.NVFP4Tensor(xq.data[lo:lo + m], xq.scale[lo:lo + m], xq.global_scale[lo:lo + m], (m, k))
+        assert gemm.gemm_config(m, n, k, True)["SPLIT"]
+        assert torch.equal(gemm.gemm_triton(rows, w, None, torch.float32), walked[lo:lo + m]), (lo, m)
 
 
 @pytest.mark.gpu if HAS_CUDA else pytest.mark.interpreter

@@ -5,7 +5,7 @@ show and that cost speed when lost.
 The chunk walk of the wide decoded tile (the learner's GEMM) once flushed a finished K chunk into the
 total inside a branch, and Triton then waited for every wgmma (`WARPGROUP.DEPBAR.LE gsb0, 0x0` after each
 of a K step's 8 HGMMA): no two MMAs of a tile overlapped. With selects it waits once per dot (the step's
-even and odd halves). Chunks of one step drop the selects too.
+even and odd halves). Chunks of one step drop the selects too; long chunks get a step loop of their own.
 
 The decode of the packed operands (the decode GEMMs' M <= 16 tile): ~6 instructions a code when Triton
 works on one element per register; the PTX decode (`gemm._E2M1X8_PTX`) works on words of 8 codes and lets
@@ -22,15 +22,17 @@ import bench.gemm_probe as gp
 out = {}
 for name, kern, const, cfg, ones, m, *ptrs in gp.sm90_cases():
     wide = "_wide_decoded_w" in name and const["NSEG"] == 1 and const["CHUNKED"]
-    key = {1: "wide", 2: "wide_one_step"}.get(const["CHUNKED"]) if wide else None
+    key = {1: "wide", 2: "wide_one_step", 3: "wide_long"}.get(const["CHUNKED"]) if wide else None
     if name.startswith("dense_12288x4096_M16_") and "swap_w4" in name:
         key = "narrow"
     if key and key not in out:
         ck = gp.compile_sm90(kern, const, cfg["num_warps"], cfg["num_stages"], ones, *ptrs)
-        loop = gp.main_loop(gp.sass_of(ck.asm["cubin"]))
+        # the innermost loop that issues the step's MMAs (the long chunks' walk nests its step loop)
+        loop = next(lp for lp in gp.loops(gp.sass_of(ck.asm["cubin"])) if any(op.startswith("HGMMA") for _, op in lp))
         count = lambda p: sum(op.startswith(p) for _, op in loop)  # noqa: E731
         out[key] = dict(name=name, instructions=len(loop), hgmma=count("HGMMA"), waits=count("WARPGROUP.DEPBAR"),
-                        fsel=count("FSEL"), f2fp=count("F2FP"), ptx_cvt="cvt.rn.f16x2.e4m3x2" in ck.asm["ptx"])
+                        fsel=count("FSEL"), fadd=count("FADD"), f2fp=count("F2FP"),
+                        ptx_cvt="cvt.rn.f16x2.e4m3x2" in ck.asm["ptx"])
 print(json.dumps(out))
 """
 
@@ -38,7 +40,7 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def compiled() -> dict:
     out = run_compile_script(SCRIPT)
-    assert set(out) == {"wide", "wide_one_step", "narrow"}, out
+    assert set(out) == {"wide", "wide_one_step", "wide_long", "narrow"}, out
     return out
 
 
@@ -68,3 +70,11 @@ def test_one_step_chunks_need_no_selects(compiled):
     one = compiled["wide_one_step"]
     assert one["hgmma"] == 8 and one["waits"] <= 2 and one["fsel"] == 0, one
     assert one["instructions"] < compiled["wide"]["instructions"] - 50, (one, compiled["wide"])
+
+
+def test_long_chunks_run_their_steps_in_a_loop_of_their_own(compiled):
+    """Chunks of 16 steps (12288 x 4096): the step loop has one wait (the odd dot stays in flight into the next
+    step), no select and no add: the flush runs once a chunk, outside it."""
+    long = compiled["wide_long"]
+    assert long["hgmma"] == 8 and long["waits"] <= 1 and long["fsel"] == 0 and long["fadd"] == 0, long
+    assert long["instructions"] < compiled["wide"]["instructions"] - 100, (long, compiled["wide"])

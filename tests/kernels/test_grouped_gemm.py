@@ -85,6 +85,25 @@ def test_grouped_equals_dense_per_expert_bitwise(e, n, k, mode):
         _check_against_dense(out, xq, experts, srt.offsets)
 
 
+def test_grouped_long_chunk_walk_equals_the_dense_kernel(monkeypatch):
+    """The grouped kernel walks chunks of LONG_CHUNK_STEPS steps or more with a loop over chunks around a loop
+    over steps (`w4a4_tile`'s CHUNKED = 3): the dense kernel's bits (its split programs, at these row counts).
+    The threshold is lowered to the last shape's chunk length so that the CPU run takes that walk too."""
+    from triton import cdiv
+
+    from minite_core.kernels import gemm
+
+    e, n, k = SHAPES[-1]
+    bk = 64 if DEVICE == "cpu" else gg.FP4_BLOCK_K
+    s = gemm.k_chunks(n, k)
+    monkeypatch.setattr(gemm, "LONG_CHUNK_STEPS", cdiv(k, bk) // s)
+    assert gemm.walk_mode(s, cdiv(cdiv(k, bk), s) * bk, bk) == 3
+    experts = _experts(e, n, k, "row")
+    srt = gg.moe_sort(_routing(37, e, 2, seed=8), e)
+    xq = nvfp4.quantize(_rand(37, k, seed=9)[srt.tokens])
+    _check_against_dense(gg.grouped_gemm(xq, gg.stack_experts(experts), srt.offsets, torch.float32), xq, experts, srt.offsets)
+
+
 @pytest.mark.parametrize("block_m", [16, 32, 64, 128])
 def test_grouped_bits_do_not_depend_on_the_tile(block_m):
     e, n, k = SHAPES[0]
