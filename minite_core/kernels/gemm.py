@@ -321,9 +321,9 @@ def w4a4_tile(
     if CHUNKED == 3:
         for c0 in range(k_lo, k_hi, chunk_k):
             part = tl.zeros_like(acc)
-            for j in range(0, chunk_k, BLOCK_K):
+            for k0 in range(c0, tl.minimum(c0 + chunk_k, k_hi), BLOCK_K):
                 a_even, a_odd, b_even, b_odd = _step_operands(
-                    a_ptr, as_ptr, b_ptr, bs_ptr, offs_m, mask_m, offs_n, mask_n, K, c0 + j,
+                    a_ptr, as_ptr, b_ptr, bs_ptr, offs_m, mask_m, offs_n, mask_n, K, k0,
                     stride_am, stride_asm, stride_bn, stride_bsn, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, DECODED, A_DECODED)
                 part = _mma_step(part, a_even, a_odd, b_even, b_odd, SWAP_AB)
             total += part
