@@ -123,7 +123,8 @@ _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\.
 
 
 def loops(sass: str) -> list[list[tuple[int, str]]]:
-    """Every span a backward `BRA 0x...` closes, as (address, opcode) lists, innermost (shortest) first."""
+    """Every span a backward `BRA 0x...` closes (cuobjdump prints branch targets as addresses), as lists of
+    (address, opcode with suffixes), innermost (shortest) first."""
     instrs, spans = [], []
     for line in sass.splitlines():
         m = _INSTR.search(line)
@@ -138,22 +139,9 @@ def loops(sass: str) -> list[list[tuple[int, str]]]:
 
 
 def main_loop(sass: str) -> list[tuple[int, str]]:
-    """(address, opcode with suffixes) of the K loop: the longest span closed by a backward `BRA 0x...`
-    (cuobjdump prints branch targets as addresses)."""
-    instrs, spans = [], []
-    for line in sass.splitlines():
-        m = _INSTR.search(line)
-        if not m:
-            continue
-        addr = int(m.group(1), 16)
-        instrs.append((addr, m.group(3) + (m.group(4) or "")))
-        t = re.search(r"\bBRA\s+0x([0-9a-f]+)", line)
-        if m.group(3) == "BRA" and t and int(t.group(1), 16) < addr:
-            spans.append((int(t.group(1), 16), addr))
-    if not spans:
-        return []
-    lo, hi = max(spans, key=lambda s: s[1] - s[0])
-    return [(a, op) for a, op in instrs if lo <= a <= hi]
+    """The K loop: the longest span a backward branch closes (a nested step loop is inside it)."""
+    spans = loops(sass)
+    return spans[-1] if spans else []
 
 
 DECODE_OPS = ("LOP3", "SHF", "IMAD", "PRMT", "HMUL2", "HFMA2", "HADD2", "I2F", "F2F", "F2FP", "SEL", "IADD3", "LEA",
