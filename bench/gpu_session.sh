@@ -22,12 +22,15 @@ fi
 for p in $parts; do
   t0=$(date +%s)
   case $p in
-    # the promise first (rollout == learner, the engine's fast paths), then the kernels: a cold run may not reach
-    # the end in the time limit, so what matters most runs first; every test's line in $OUT/tests.log
+    # the kernels' numerics against their definitions first (test_ops: the PTX decode on every code and scale
+    # byte, the K chunk walks against the split programs; the fp8 and quantize encodings), then the promise
+    # (rollout == learner, the engine's fast paths), then the rest: a cold run may not reach the end in the time
+    # limit, so what matters most runs first; every test's line in $OUT/tests.log
     tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -v -p no:cacheprovider -rfs \
+             tests/core/test_ops.py tests/kernels/test_fp8.py tests/kernels/test_quantize.py \
              tests/engine/test_rollout_equals_learner.py tests/engine/test_rollout_fast_paths.py tests/consistency/test_knobs.py \
-             tests/model/test_moe.py tests/kernels/test_gemm.py tests/core/test_ops.py tests/kernels/test_rows.py \
-             tests/kernels/test_qk_norm_rope.py tests/kernels/test_attention.py tests/kernels/test_fp8.py tests/kernels/test_quantize.py \
+             tests/model/test_moe.py tests/kernels/test_gemm.py tests/kernels/test_rows.py \
+             tests/kernels/test_qk_norm_rope.py tests/kernels/test_attention.py \
              tests/kernels/test_grouped_gemm.py tests/kernels/test_sample.py tests/core/test_backward.py \
              > "$OUT/tests.log" 2>&1
            { grep -E "(FAILED|ERROR)" "$OUT/tests.log" | tail -20
