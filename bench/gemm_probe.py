@@ -154,8 +154,7 @@ def mix(loop: list[tuple[int, str]]) -> Counter:
 
 def _walk(k: int, cfg: dict) -> int:
     """`w4a4_tile`'s CHUNKED for a config of K: 0 (one chunk), 1 (chunks of several steps), 2 (one-step chunks)."""
-    bk, s = cfg["BLOCK_K"], cfg["CHUNKS"]
-    return gemm_mod.walk_mode(s, triton.cdiv(triton.cdiv(k, bk), s) * bk, bk)
+    return gemm_mod.walk_mode(k, cfg["CHUNKS"], cfg["BLOCK_K"])
 
 
 def sm90_cases() -> list[tuple]:

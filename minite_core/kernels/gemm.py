@@ -98,7 +98,7 @@ def interpreting() -> bool:
 _DECODE = os.environ.get("MINITE_FP4_DECODE", "bits" if interpreting() else "ptx")
 if _DECODE not in ("ptx", "bits") or (_DECODE == "ptx" and interpreting()):
     raise ValueError(f"MINITE_FP4_DECODE={_DECODE!r}: set it to ptx (GPU, sm_89 or later) or bits"
-                     + (" (the Triton interpreter cannot run PTX)" if interpreting() else ""))
+                     + (" (the Triton interpreter cannot run PTX)" if _DECODE == "ptx" else ""))
 PTX_DECODE = tl.constexpr(_DECODE == "ptx")
 
 
@@ -183,16 +183,22 @@ def decode_nvfp4_pairs(packed, scale, ROWS: tl.constexpr, BLOCK_K: tl.constexpr)
     if PTX_DECODE:
         e2, o2 = tl.inline_asm_elementwise(_E2M1X8_PTX, "=r,=r,=r,=r,r", [packed], dtype=(tl.int32, tl.int32),
                                            is_pure=True, pack=2)
-        e_lo, e_hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [e2], dtype=(tl.float16, tl.float16),
-                                               is_pure=True, pack=1)
-        o_lo, o_hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [o2], dtype=(tl.float16, tl.float16),
-                                               is_pure=True, pack=1)
-        even = tl.reshape(tl.join(e_lo, e_hi), [ROWS, BLOCK_K // 2])
-        odd = tl.reshape(tl.join(o_lo, o_hi), [ROWS, BLOCK_K // 2])
-        return even * scale, odd * scale
+        return _f16x2_tile(e2, ROWS, BLOCK_K) * scale, _f16x2_tile(o2, ROWS, BLOCK_K) * scale
     else:
         p = packed.to(tl.int16)
         return e2m1_to_fp16(p & 0xF) * scale, e2m1_to_fp16(p >> 4) * scale
+
+
+_SPLIT_F16X2_PTX = tl.constexpr("mov.b32 {$0, $1}, $2;")  # a 32-bit register -> its low half, its high half
+
+
+@triton.jit
+def _f16x2_tile(pairs, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """int32 [ROWS, BLOCK_K/4] holding f16x2 pairs of neighbouring elements -> fp16 [ROWS, BLOCK_K/2], the low
+    half first: a register split and a join, no data movement."""
+    lo, hi = tl.inline_asm_elementwise(_SPLIT_F16X2_PTX, "=h,=h,r", [pairs], dtype=(tl.float16, tl.float16),
+                                       is_pure=True, pack=1)
+    return tl.reshape(tl.join(lo, hi), [ROWS, BLOCK_K // 2])
 
 
 @triton.jit
@@ -721,7 +727,7 @@ def _launch(x, xd, segs: list, cfg: dict, fp4: bool):
     decoded = cfg.pop("DECODED", False)
     a_decoded = cfg.pop("A_DECODED", False)
     bk, bn = cfg["BLOCK_K"], cfg["BLOCK_N"]
-    chunk_k = triton.cdiv(triton.cdiv(k, bk), chunks) * bk  # elements per chunk (a multiple of BLOCK_K)
+    chunk_k = chunk_elements(k, chunks, bk)
     has_bias = segs[0][1] is not None
     seg_args = []  # per weight: data, scale bytes, global scale, its stride, bias, out, N
     for w, bias, c in segs:
@@ -761,7 +767,7 @@ def _launch(x, xd, segs: list, cfg: dict, fp4: bool):
     kernel = _gemm_kernel[(tiles, chunks if split else 1)](
         *a_args, *flat, part, counters, m, k, chunk_k, n_total, t1, t2, grid_n, *strides,
         FP4=fp4, DOT_FP32=not fp4 and x.dtype == torch.float32, DOT_BY_SUM=interpreting() and not fp4,
-        EVEN_K=k % bk == 0, HAS_BIAS=has_bias, CHUNKED=walk_mode(chunks, chunk_k, bk), SPLIT=split, DECODED=decoded, A_DECODED=a_decoded,
+        EVEN_K=k % bk == 0, HAS_BIAS=has_bias, CHUNKED=walk_mode(k, chunks, bk), SPLIT=split, DECODED=decoded, A_DECODED=a_decoded,
         NSEG=len(segs), FIXUP=fixup, **cfg, **pdl.launch(x.device),
     )
     if split and not fixup:
@@ -784,14 +790,19 @@ LONG_CHUNK_STEPS = 8
 WALK_OVERRIDE: int | None = None  # bench/gemm.py only: 1 times the select walk for every chunk length (same bits)
 
 
-def walk_mode(chunks: int, chunk_k: int, block_k: int) -> int:
-    """`w4a4_tile`'s CHUNKED for S = `chunks` chunks of `chunk_k` elements: 0 for one chunk, 2 when every
-    chunk is one BLOCK_K step, 3 for chunks of LONG_CHUNK_STEPS steps or more, else 1."""
+def chunk_elements(k: int, chunks: int, block_k: int) -> int:
+    """K elements per chunk when K is cut into `chunks` chunks of whole BLOCK_K steps (the last may end at K)."""
+    return triton.cdiv(triton.cdiv(k, block_k), chunks) * block_k
+
+
+def walk_mode(k: int, chunks: int, block_k: int) -> int:
+    """`w4a4_tile`'s CHUNKED for K cut into S = `chunks` chunks: 0 for one chunk, 2 when every chunk is one
+    BLOCK_K step, 3 for chunks of LONG_CHUNK_STEPS steps or more, else 1."""
     if chunks == 1:
         return 0
     if WALK_OVERRIDE is not None:
         return WALK_OVERRIDE
-    steps = chunk_k // block_k
+    steps = chunk_elements(k, chunks, block_k) // block_k
     return 2 if steps == 1 else 3 if steps >= LONG_CHUNK_STEPS else 1
 
 

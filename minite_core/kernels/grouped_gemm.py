@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from ..nvfp4 import NVFP4Tensor
-from .gemm import (FP4_BLOCK_K, SWAP_CONFIGS, check_decode, interpreting, k_chunks, swap_block_m, w4a4_epilogue,
-                   w4a4_tile, walk_mode)
+from .gemm import (FP4_BLOCK_K, SWAP_CONFIGS, check_decode, chunk_elements, interpreting, k_chunks, swap_block_m,
+                   w4a4_epilogue, w4a4_tile, walk_mode)
 
 
 class MoeSort(NamedTuple):
@@ -154,7 +154,7 @@ def grouped_gemm(xq: NVFP4Tensor, w: NVFP4Tensor, expert_offsets: torch.Tensor,
         cfg["BLOCK_K"] = grouped_config(t, e, n, k)["BLOCK_K"]
     bm = cfg["BLOCK_M"]
     chunks = k_chunks(n, k)  # the dense kernel's K chunks for (N, K): same reduction order
-    chunk_k = triton.cdiv(triton.cdiv(k, cfg["BLOCK_K"]), chunks) * cfg["BLOCK_K"]
+    chunk_k = chunk_elements(k, chunks, cfg["BLOCK_K"])
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), (t + min(e, t) * (bm - 1)) // bm)
     ags = xq.global_scale
     s_ags = 0 if ags.dim() == 0 else ags.stride(0)
@@ -169,7 +169,7 @@ def grouped_gemm(xq: NVFP4Tensor, w: NVFP4Tensor, expert_offsets: torch.Tensor,
         xq.data.stride(0), xq.scale.stride(0), s_ags,
         w.data.stride(0), w.data.stride(1), w.scale.stride(0), w.scale.stride(1), s_ge, s_gn, c.stride(0),
         E_PAD=triton.next_power_of_2(e), EVEN_K=k % cfg["BLOCK_K"] == 0,
-        CHUNKED=walk_mode(chunks, chunk_k, cfg["BLOCK_K"]), **cfg,
+        CHUNKED=walk_mode(k, chunks, cfg["BLOCK_K"]), **cfg,
     )
     return c
 

@@ -122,15 +122,12 @@ INVARIANCE_SHAPES = ([(40, 64, 1), (100, 224, 2), (40, 224, 4)] if DEVICE == "cp
 @pytest.mark.gpu if HAS_CUDA else pytest.mark.interpreter
 @pytest.mark.skipif(not HAS_TRITON, reason="triton missing")
 def test_the_shapes_cover_both_walks():
-    from triton import cdiv
-
     from minite_core.kernels.gemm import gemm_config, walk_mode
 
     modes = set()
     for n, k, _ in INVARIANCE_SHAPES:
         cfg = gemm_config(300, n, k, True)
-        bk, s = cfg["BLOCK_K"], cfg["CHUNKS"]
-        modes.add(walk_mode(s, cdiv(cdiv(k, bk), s) * bk, bk))
+        modes.add(walk_mode(k, cfg["CHUNKS"], cfg["BLOCK_K"]))
     # and the long chunks' walk (3): on the GPU 12288 x 4096 (chunks of 16 steps), on the CPU
     # test_the_long_chunk_walk_equals_the_split_programs
     assert modes == ({0, 1, 2} if DEVICE == "cpu" else {0, 1, 2, 3}), modes
@@ -191,10 +188,9 @@ def test_the_long_chunk_walk_equals_the_split_programs(monkeypatch, decode_wide)
 
     n, k, chunks = [s for s in INVARIANCE_SHAPES if s[2] == 2][0]
     bk = gemm.gemm_config(300, n, k, True)["BLOCK_K"]
-    steps = -(-k // bk) // chunks
-    monkeypatch.setattr(gemm, "LONG_CHUNK_STEPS", steps)
+    monkeypatch.setattr(gemm, "LONG_CHUNK_STEPS", gemm.chunk_elements(k, chunks, bk) // bk)
     monkeypatch.setattr(gemm, "DECODE_WIDE", decode_wide)
-    assert gemm.walk_mode(chunks, steps * bk, bk) == 3
+    assert gemm.walk_mode(k, chunks, bk) == 3
     w = _weights(n, k, seed=51)["nvfp4-row"]
     xq = nvfp4.quantize(_rand(300, k, seed=52) * torch.logspace(-3, 2, 300, device=DEVICE).unsqueeze(1))
     walked = gemm.gemm_triton(xq, w, None, torch.float32)

@@ -93,7 +93,7 @@ def test_the_word_decode_gives_every_code_times_2_to_the_minus_6():
 
 def test_the_split_is_the_low_half_first():
     x = np.array([0x3C00BC00, 0x00017BFF], dtype=np.uint32)
-    out = run_ptx("mov.b32 {$0, $1}, $2;", {"$2": x})
+    out = run_ptx(gemm._SPLIT_F16X2_PTX.value, {"$2": x})
     assert list(out["$0"]) == [0xBC00, 0x7BFF] and list(out["$1"]) == [0x3C00, 0x0001]
 
 

@@ -60,12 +60,10 @@ SHAPES = [(6, 40, 128), (5, 72, 96), (4, 100, 256)] if DEVICE == "cpu" else [(8,
 
 
 def test_the_shapes_cover_both_walks():
-    from triton import cdiv
-
     from minite_core.kernels.gemm import k_chunks, walk_mode
 
     bk = 64 if DEVICE == "cpu" else gg.FP4_BLOCK_K
-    modes = {walk_mode(k_chunks(n, k), cdiv(cdiv(k, bk), k_chunks(n, k)) * bk, bk) for _, n, k in SHAPES}
+    modes = {walk_mode(k, k_chunks(n, k), bk) for _, n, k in SHAPES}
     assert modes == {1, 2}, modes
 
 
@@ -89,15 +87,13 @@ def test_grouped_long_chunk_walk_equals_the_dense_kernel(monkeypatch):
     """The grouped kernel walks chunks of LONG_CHUNK_STEPS steps or more with a loop over chunks around a loop
     over steps (`w4a4_tile`'s CHUNKED = 3): the dense kernel's bits (its split programs, at these row counts).
     The threshold is lowered to the last shape's chunk length so that the CPU run takes that walk too."""
-    from triton import cdiv
-
     from minite_core.kernels import gemm
 
     e, n, k = SHAPES[-1]
     bk = 64 if DEVICE == "cpu" else gg.FP4_BLOCK_K
     s = gemm.k_chunks(n, k)
-    monkeypatch.setattr(gemm, "LONG_CHUNK_STEPS", cdiv(k, bk) // s)
-    assert gemm.walk_mode(s, cdiv(cdiv(k, bk), s) * bk, bk) == 3
+    monkeypatch.setattr(gemm, "LONG_CHUNK_STEPS", gemm.chunk_elements(k, s, bk) // bk)
+    assert gemm.walk_mode(k, s, bk) == 3
     experts = _experts(e, n, k, "row")
     srt = gg.moe_sort(_routing(37, e, 2, seed=8), e)
     xq = nvfp4.quantize(_rand(37, k, seed=9)[srt.tokens])
