@@ -4,7 +4,7 @@
 # gemm-bits: bench/gemm.py again with the element-wise FP4 decode (MINITE_FP4_DECODE=bits), for the word decode's gain.
 # ROLLOUT_ARGS / LEARNER_ARGS / GEMM_ARGS override the benchmarks' arguments, ROLLOUT_TIMEOUT / LEARNER_TIMEOUT
 # their time limits (s). A summary table comes last.
-# All of it does not fit one 600 s device call (the tests alone need more than 300 s cold: Triton compiles):
+# All of it does not fit one 600 s device call (the tests need minutes cold: Triton compiles, TESTS_WORKERS at a time):
 # run `tests gemm` in one call and `rollout learner attention` in the next, on the same warm machine.
 # The Triton cache comes back as $OUT/triton-cache.tar.xz (when under the 16 MiB a returned file may have):
 # copy it to .triton-cache.tar.xz (git-ignored) and carry it (`carry: [".whl", ".triton-cache.tar.xz"]`), and the
@@ -26,7 +26,8 @@ for p in $parts; do
     # byte, the K chunk walks against the split programs; the fp8 and quantize encodings), then the promise
     # (rollout == learner, the engine's fast paths), then the rest: a cold run may not reach the end in the time
     # limit, so what matters most runs first; every test's line in $OUT/tests.log
-    tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -v -p no:cacheprovider -rfs \
+    # TESTS_WORKERS pytest-xdist processes (the device image has it) compile the Triton kernels in parallel
+    tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -v -p no:cacheprovider -rfs -n ${TESTS_WORKERS:-8} \
              tests/core/test_ops.py tests/kernels/test_fp8.py tests/kernels/test_quantize.py \
              tests/engine/test_rollout_equals_learner.py tests/engine/test_rollout_fast_paths.py tests/consistency/test_knobs.py \
              tests/model/test_moe.py tests/kernels/test_gemm.py tests/kernels/test_rows.py \
