@@ -27,7 +27,8 @@ for p in $parts; do
     # (rollout == learner, the engine's fast paths), then the rest: a cold run may not reach the end in the time
     # limit, so what matters most runs first; every test's line in $OUT/tests.log
     # TESTS_WORKERS pytest-xdist processes (the device image has it) compile the Triton kernels in parallel
-    tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -v -p no:cacheprovider -rfs -n ${TESTS_WORKERS:-8} \
+    # at the time limit pytest gets SIGINT (SIGKILL 30 s later), so it still prints the failures' tracebacks
+    tests) timeout -s INT -k 30 ${TESTS_TIMEOUT:-300} python3 -m pytest -v -p no:cacheprovider -rfs --tb=short -n ${TESTS_WORKERS:-8} \
              tests/core/test_ops.py tests/kernels/test_fp8.py tests/kernels/test_quantize.py \
              tests/engine/test_rollout_equals_learner.py tests/engine/test_rollout_fast_paths.py tests/consistency/test_knobs.py \
              tests/model/test_moe.py tests/kernels/test_gemm.py tests/kernels/test_rows.py \

@@ -113,8 +113,9 @@ def e4m3_rows(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     without a copy."""
     a = _pad16(_pad16(a, 1), 0).contiguous()
     amax = a.abs().amax(dim=1, keepdim=True).float()
-    scale = torch.where(amax > 0, amax / nvfp4.E4M3_MAX, torch.ones_like(amax))
-    return (a.float() * (1.0 / scale)).to(torch.float8_e4m3fn), scale
+    # nvfp4.div and a tensor numerator: true divisions on CUDA too, as the kernel's div_rn
+    scale = torch.where(amax > 0, nvfp4.div(amax, nvfp4.E4M3_MAX), torch.ones_like(amax))
+    return (a.float() * (torch.ones_like(scale) / scale)).to(torch.float8_e4m3fn), scale
 
 
 def _fp8_mm(a: torch.Tensor, b: torch.Tensor, rows=e4m3_rows) -> torch.Tensor:

@@ -28,3 +28,16 @@ def backend_params():
     mark = pytest.mark.gpu if HAS_CUDA else pytest.mark.interpreter
     skip = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
     return [pytest.param("torch", id="torch"), pytest.param("triton", id="triton", marks=[mark, skip])]
+
+
+class CudaScalarDivision(torch.overrides.TorchFunctionMode):
+    """Division by a Python number as PyTorch's CUDA kernels do it, on the CPU: a multiply by the number's
+    reciprocal (off by an ulp now and then); a tensor divisor is still divided."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.__truediv__, torch.Tensor.div, torch.div) and isinstance(args[1], (int, float)) \
+                and not kwargs:
+            return args[0] * (1.0 / args[1])
+        return func(*args, **kwargs)
+

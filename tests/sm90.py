@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_compile_script(script: str):
     """Run `script` (Python, from the repository root, `bench.gemm_probe` importable) without
     TRITON_INTERPRET -> the JSON of its last output line."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # TRITON_STORE_BINARY_ONLY (the GPU session sets it) would drop the PTX a test reads from the cache
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_STORE_BINARY_ONLY")}
     r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])

@@ -7,7 +7,7 @@ real GPU path against the same references.
 """
 import pytest
 import torch
-from tests.backends import HAS_CUDA, HAS_TRITON
+from tests.backends import HAS_CUDA, HAS_TRITON, CudaScalarDivision
 
 from minite_core import backward, nvfp4, ops
 from minite_core.nvfp4 import NVFP4Tensor
@@ -252,3 +252,16 @@ def test_cuda_fp8_gradients_match_the_cpu_recipe():
         out[dev] = (xr.grad.float().cpu(), m.grad.cpu())
     for a, b in zip(out["cuda"], out["cpu"]):
         assert ((a - b).norm() / b.norm()).item() < 0.01
+
+
+def test_e4m3_rows_divides_truly_on_every_device():
+    """The fp8 operands' definition must be the kernel's arithmetic (`div_rn`) on the GPU too: with division by
+    a number done as CUDA does it, its scales and bytes stay the same (amax / 448 as a multiply by 1/448 differs
+    in the last bit for some rows; it made the GPU kernel disagree with its definition)."""
+    a = _rand(64, 48, seed=41) * torch.exp(_rand(64, 1, seed=42) * 3)
+    want_q, want_s = backward.e4m3_rows(a)
+    with CudaScalarDivision():
+        got_q, got_s = backward.e4m3_rows(a)
+        amax = a.abs().amax(dim=1, keepdim=True)
+        assert not torch.equal(amax / nvfp4.E4M3_MAX, nvfp4.div(amax, nvfp4.E4M3_MAX))  # the mode bites
+    assert torch.equal(got_s, want_s) and torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))

@@ -103,15 +103,21 @@ def test_row_ops_that_quantize_their_output(device, backend, n, dtype):
     x = _rand(2, 7, n, seed=20, device=device, dtype=dtype) * torch.logspace(-3, 1, 7, device=device).view(1, 7, 1).to(dtype)
     w = _rand(n, seed=21, device=device, dtype=dtype, shift=1.0)
     up = _rand(2, 7, n, seed=22, device=device, dtype=dtype)
-    for op, args in ((lambda *a, **k: ops.rms_norm(*a, 1e-6, **k), (x, w)), (ops.silu_mul, (x, up))):
+    for name, op, args in (("rms_norm", lambda *a, **k: ops.rms_norm(*a, 1e-6, **k), (x, w)), ("silu_mul", ops.silu_mul, (x, up))):
         y, yq = op(*args, backend=backend, quantize=True)
-        assert torch.equal(y, op(*args, backend=backend))
-        assert _same_nvfp4(yq, ops.quantize(y, backend=backend)) and yq.shape == x.shape
+        plain = op(*args, backend=backend)
+        assert torch.equal(y, plain), f"{name}: output with quantize=True != without ({(y != plain).sum()} values)"
+        q = ops.quantize(y, backend=backend)
+        assert _same_nvfp4(yq, q) and yq.shape == x.shape, (
+            f"{name}: fused NVFP4 != quantize(output): bytes {(yq.data != q.data).sum()}, scale bytes "
+            f"{(yq.scale.view(torch.uint8) != q.scale.view(torch.uint8)).sum()}, global scales "
+            f"{(yq.global_scale != q.global_scale).sum()}")
         flat = [a.reshape(-1, n) if a.dim() == 3 else a for a in args]
         full = op(*flat, backend=backend, quantize=True)[1]
         for lo, hi in ((0, 1), (3, 4), (5, 14)):
             part = op(flat[0][lo:hi], *(a[lo:hi] if a.dim() == 2 else a for a in flat[1:]), backend=backend, quantize=True)[1]
-            assert torch.equal(part.data, full.data[lo:hi]) and torch.equal(part.global_scale, full.global_scale[lo:hi])
+            assert torch.equal(part.data, full.data[lo:hi]) and torch.equal(part.global_scale, full.global_scale[lo:hi]), (
+                f"{name}: rows {lo}:{hi} alone != the same rows in the batch")
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
