@@ -40,4 +40,3 @@ class CudaScalarDivision(torch.overrides.TorchFunctionMode):
                 and not kwargs:
             return args[0] * (1.0 / args[1])
         return func(*args, **kwargs)
-
