@@ -5,7 +5,7 @@ On a CPU machine the Triton cases run under the interpreter (small shapes); on a
 """
 import pytest
 import torch
-from tests.backends import DEVICE, HAS_CUDA, HAS_TRITON, backend_params
+from tests.backends import DEVICE, HAS_CUDA, HAS_TRITON, CudaScalarDivision, backend_params
 
 from minite_core import nvfp4, ops, reference
 
@@ -501,3 +501,34 @@ def test_dequantize_is_the_definition_on_both_backends(backend, dtype, scale_mod
 def test_dequantize_refuses_what_is_not_nvfp4():
     with pytest.raises(TypeError, match="NVFP4Tensor"):
         ops.dequantize(torch.ones(2, 16))
+
+
+def test_torch_backend_bits_do_not_depend_on_how_the_device_divides_by_a_number():
+    """The torch backend is the definition the Triton kernels equal bit for bit, on the GPU too: on the CPU
+    (where this runs), division by a Python number done as PyTorch's CUDA kernels do it (a multiply by the
+    reciprocal, `tests.backends.CudaScalarDivision`) must not change any op's bits. (An `amax / 448` in the
+    fp8 operands' definition made the GPU kernel disagree with it.)"""
+    g = torch.Generator().manual_seed(5)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    x = r(9, 96) * torch.logspace(-3, 2, 9).view(9, 1)
+    wq, wn, up = nvfp4.quantize(r(40, 96), scale_mode="tensor"), r(96) + 1, r(9, 96)
+    q, k, v = r(2, 4, 5, 32), r(2, 2, 5, 32), r(2, 2, 5, 32)
+    pos, kv_len = torch.arange(5).expand(2, 5).contiguous(), torch.tensor([5, 5])
+    logits, tokens = r(6, 300) * 4, torch.randint(0, 300, (6,), generator=g)
+
+    def run():
+        y, yq = ops.rms_norm(x, wn, 1e-6, backend="torch", quantize=True)
+        h, hq = ops.silu_mul(x, up, backend="torch", quantize=True)
+        xq = ops.quantize(x, backend="torch")
+        return {"quantize": xq.data, "scales": xq.scale.view(torch.uint8), "global scales": xq.global_scale,
+                "dequantize": ops.dequantize(xq, torch.float32, backend="torch"),
+                "linear": ops.linear(x, wq, backend="torch"), "rms_norm": y, "rms_norm nvfp4": yq.data,
+                "silu_mul": h, "silu_mul nvfp4": hq.data,
+                "attention": ops.attention(q, k, v, pos, kv_len, backend="torch"),
+                "log_softmax": ops.log_softmax(logits, 0.7, backend="torch"),
+                "token_logprobs": ops.token_logprobs(logits, tokens, 0.7, backend="torch")}
+
+    want = run()
+    with CudaScalarDivision():
+        got = run()
+    assert [name for name in want if not torch.equal(want[name], got[name])] == []
