@@ -17,7 +17,6 @@ import warnings
 
 import pytest
 import torch
-from tests.backends import CudaScalarDivision
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -853,14 +852,3 @@ def test_empty_last_dim(mode):
     assert q.data.shape == (4, 0) and q.scale.shape == (4, 0)
     assert dequantize(q).shape == (4, 0)
 
-
-@pytest.mark.parametrize("mode", ["row", "tensor"])
-def test_quantize_divides_truly_on_every_device(mode):
-    """The definition's bits on the GPU are its bits on the CPU: with division by a number done as PyTorch's
-    CUDA kernels do it (a multiply by the reciprocal), quantize() gives the same bytes and scales."""
-    x = torch.randn(48, 160, generator=torch.Generator().manual_seed(7)) * torch.logspace(-4, 3, 48).view(48, 1)
-    want = quantize(x, scale_mode=mode)
-    with CudaScalarDivision():
-        got = quantize(x, scale_mode=mode)
-    assert torch.equal(got.data, want.data) and torch.equal(got.global_scale, want.global_scale)
-    assert torch.equal(got.scale.view(torch.uint8), want.scale.view(torch.uint8))

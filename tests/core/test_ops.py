@@ -522,6 +522,7 @@ def test_torch_backend_bits_do_not_depend_on_how_the_device_divides_by_a_number(
         xq = ops.quantize(x, backend="torch")
         return {"quantize": xq.data, "scales": xq.scale.view(torch.uint8), "global scales": xq.global_scale,
                 "dequantize": ops.dequantize(xq, torch.float32, backend="torch"),
+                "tensor-scale quantize": ops.quantize(x, scale_mode="tensor", backend="torch").data,
                 "linear": ops.linear(x, wq, backend="torch"), "rms_norm": y, "rms_norm nvfp4": yq.data,
                 "silu_mul": h, "silu_mul nvfp4": hq.data,
                 "attention": ops.attention(q, k, v, pos, kv_len, backend="torch"),
