@@ -304,7 +304,9 @@ def w4a4_tile(
       accumulator into `total` and reset it (selects, not a branch: ptxas serializes every MMA of a
       kernel when a branch writes the accumulator);
     - 2, one-step chunks (the 0.6B widths: S = the step count): each step's chain starts from no accumulator
-      (wgmma's zero-input form) and is added into `total`, with no selects;
+      (wgmma's zero-input form) and is added into `total`, with no selects. (The step stays two dots: Triton
+      rewrites `total + dot(a, b)` of a single dot from zero into `dot(a, b, total)`, the MMA chained onto
+      the total, which is another order; tests/kernels/test_gemm_sm90.py checks the compiled flush);
     - 3, long chunks (>= LONG_CHUNK_STEPS steps): a loop over the chunks around a loop over their steps, so
       inside a chunk the MMA chain is asynchronous and no select runs; each chunk refills its load
       pipeline, which long chunks amortize.

@@ -18,6 +18,7 @@ from tests.sm90 import run_compile_script
 
 SCRIPT = r"""
 import json
+import re
 import bench.gemm_probe as gp
 out = {}
 for name, kern, const, cfg, ones, m, *ptrs in gp.sm90_cases():
@@ -28,10 +29,14 @@ for name, kern, const, cfg, ones, m, *ptrs in gp.sm90_cases():
     if key and key not in out:
         ck = gp.compile_sm90(kern, const, cfg["num_warps"], cfg["num_stages"], ones, *ptrs)
         # the innermost loop that issues the step's MMAs (the long chunks' walk nests its step loop)
-        loop = next(lp for lp in gp.loops(gp.sass_of(ck.asm["cubin"])) if any(op.startswith("HGMMA") for _, op in lp))
+        sass = gp.sass_of(ck.asm["cubin"])
+        loop = next(lp for lp in gp.loops(sass) if any(op.startswith("HGMMA") for _, op in lp))
         count = lambda p: sum(op.startswith(p) for _, op in loop)  # noqa: E731
+        lo, hi = loop[0][0], loop[-1][0]  # the loop's addresses: its MMAs that start from no accumulator
+        zero_input = sum(lo <= int(a, 16) <= hi for a in re.findall(r"/\*([0-9a-f]{4,})\*/\s+HGMMA[^;]*, RZ, !UPT", sass))
         out[key] = dict(name=name, instructions=len(loop), hgmma=count("HGMMA"), waits=count("WARPGROUP.DEPBAR"),
                         fsel=count("FSEL"), fadd=count("FADD"), f2fp=count("F2FP"),
+                        zero_input=zero_input,
                         ptx_cvt="cvt.rn.f16x2.e4m3x2" in ck.asm["ptx"])
 print(json.dumps(out))
 """
@@ -70,6 +75,17 @@ def test_one_step_chunks_need_no_selects(compiled):
     one = compiled["wide_one_step"]
     assert one["hgmma"] == 8 and one["waits"] <= 2 and one["fsel"] == 0, one
     assert one["instructions"] < compiled["wide"]["instructions"] - 50, (one, compiled["wide"])
+
+
+def test_one_step_chunks_are_added_into_the_total_not_accumulated_by_the_mma(compiled):
+    """The reduction order of `w4a4_tile`: a chunk's chain starts from zero and its sum is added into the total
+    with an fp32 add. Triton rewrites `total + dot(a, b)` (a dot from zero) into `dot(a, b, total)`, which
+    chains the MMA onto the total: other bits than the split programs', and a loop that looks faster (no
+    FADD). The step's two dots keep it from doing so (the odd dot chains onto the even one); a single dot
+    of K = 128 over the decoded step would not. So: one zero-input HGMMA a step, and the 64 FADDs of the
+    flush (a 128 x 128 fp32 total over 256 threads)."""
+    one = compiled["wide_one_step"]
+    assert one["zero_input"] == 1 and one["fadd"] == 64, one
 
 
 def test_long_chunks_run_their_steps_in_a_loop_of_their_own(compiled):
