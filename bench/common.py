@@ -34,3 +34,58 @@ def cuda_time(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return time.perf_counter() - t0
+
+
+# Where a step's GPU time goes, by kernel family (kernel name substrings, first match wins): the Triton kernels
+# of minite_core/kernels by their function names, then the library kernels by the names CUDA libraries give them.
+KERNEL_FAMILIES = (
+    ("Triton GEMM (W4A4, plain)", ("_gemm_kernel", "_combine_kernel", "_grouped_kernel")),
+    ("FP4 decode, dequantize", ("_decode_kernel", "_dequantize_kernel")),
+    ("quantize (NVFP4, e4m3)", ("_quantize_kernel", "_e4m3_rows_kernel")),
+    ("norms, SiLU, RoPE", ("_rms_norm", "_silu_mul", "_qk_norm_rope", "_rope_kernel")),
+    ("logprobs (lse, token)", ("_lse_kernel", "_token_logprob")),
+    ("attention", ("_attention_kernel", "flash", "fmha", "attention", "sdpa")),
+    ("cuBLAS / cuBLASLt GEMM", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "sm80_")),
+    ("optimizer, grad norm", ("adam", "multi_tensor", "foreach", "lpnorm")),
+)
+
+
+def kernel_breakdown(kernels: list[tuple[str, float, float]]) -> dict:
+    """kernels: (name, start, end) of each GPU kernel of a window, in seconds -> {"busy": seconds the GPU ran
+    at least one kernel (the union of the intervals: overlapping kernels count once), "kernels": count,
+    "families": {family: (seconds, count)}, kernel time summed by KERNEL_FAMILIES, "other" last}. A step
+    whose wall time is well above `busy` leaves the GPU idle: launch overhead or host syncs, not kernels."""
+    busy, reach = 0.0, float("-inf")
+    for _, start, end in sorted(kernels, key=lambda k: k[1]):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    families = {name: [0.0, 0] for name, _ in KERNEL_FAMILIES}
+    families["other"] = [0.0, 0]
+    for name, start, end in kernels:
+        low = name.lower()
+        fam = next((f for f, keys in KERNEL_FAMILIES if any(k.lower() in low for k in keys)), "other")
+        families[fam][0] += end - start
+        families[fam][1] += 1
+    return {"busy": busy, "kernels": len(kernels), "families": {f: tuple(v) for f, v in families.items() if v[1]}}
+
+
+def profiled(step, device: str = "cuda"):
+    """One call of `step` under torch.profiler, recording `device`'s kernels ("cuda"; "cpu" records the CPU
+    ops, which the tests use to run this path without a GPU) -> the profiler (`kernel_intervals` reads it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU]) as prof:
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    return prof
+
+
+def kernel_intervals(prof, device: str = "cuda") -> list[tuple[str, float, float]]:
+    """(name, start s, end s) of every kernel a `profiled` run recorded on `device`."""
+    from torch.autograd import DeviceType
+
+    kind = DeviceType.CUDA if device == "cuda" else DeviceType.CPU
+    return [(e.name, e.time_range.start * 1e-6, e.time_range.end * 1e-6) for e in prof.events()
+            if e.device_type == kind and e.time_range.end > e.time_range.start]

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import CONFIGS, make_config  # noqa: E402
+from bench.common import CONFIGS, kernel_breakdown, kernel_intervals, make_config, profiled  # noqa: E402
 from minite_core.model import load_model  # noqa: E402
 from minite_core.model.qwen3 import Qwen3Config  # noqa: E402
 from minite_core.model.random_init import random_checkpoint  # noqa: E402
@@ -81,13 +81,17 @@ def hf_step_fn(cfg: Qwen3Config, batch: int, seq: int):
     return step
 
 
-def profile(name: str, step) -> None:
-    from torch.profiler import ProfilerActivity, profile as prof
-    with prof(activities=[ProfilerActivity.CUDA]) as p:
-        step()
-        torch.cuda.synchronize()
-    print(f"--- {name}: GPU time by kernel (one step)")
-    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+def profile(name: str, step, step_s: float) -> None:
+    """One more step under torch.profiler: its GPU time by kernel family against the unprofiled step time
+    `step_s` (a GPU idle share well above zero: the step waits on the host, launch overhead or syncs, not on
+    kernels), then the kernels that take the most."""
+    prof = profiled(step)
+    b = kernel_breakdown(kernel_intervals(prof))
+    print(f"--- {name}: step {step_s * 1e3:.1f} ms (unprofiled median), GPU busy {b['busy'] * 1e3:.1f} ms "
+          f"({b['busy'] / step_s:.0%}; idle {max(0.0, step_s - b['busy']) * 1e3:.1f} ms), {b['kernels']} kernels")
+    for fam, (sec, n) in sorted(b["families"].items(), key=lambda kv: -kv[1][0]):
+        print(f"    {fam:30s} {sec * 1e3:8.1f} ms {n:6d} kernels")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
 
 
 def main() -> None:
@@ -99,7 +103,7 @@ def main() -> None:
     ap.add_argument("--attention", default="sdpa", choices=["sdpa", "invariant"])
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--backward", default="", help="also time the NVFP4 step with these gradient recipes, e.g. fp8")
-    ap.add_argument("--profile", action="store_true", help="print where the NVFP4 and BF16 steps spend GPU time")
+    ap.add_argument("--profile", action="store_true", help="print where each step spends GPU time, and how long the GPU idles")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/learner.py needs a CUDA device")
@@ -119,9 +123,9 @@ def main() -> None:
                 torch.cuda.reset_peak_memory_stats()
                 step = build()
                 times = time_steps(step, args.steps)
-                if args.profile and name.startswith("minite"):
-                    profile(name, step)
                 med = statistics.median(times)
+                if args.profile:
+                    profile(name, step, med)
                 rows.append((name, med, tokens / med, torch.cuda.max_memory_allocated() / 2**30))
             except Exception as e:  # report and go on: one failing row must not cost the others
                 rows.append((name, float("nan"), float("nan"), float("nan")))
