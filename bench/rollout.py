@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import cuda_time, make_config  # noqa: E402
+from bench.common import cuda_time, kernel_breakdown, kernel_intervals, make_config  # noqa: E402
 from minite_core.engine import RolloutEngine, SamplingParams  # noqa: E402
 from minite_core.kernels import pdl  # noqa: E402
 from minite_core.model import load_model  # noqa: E402
@@ -97,9 +97,11 @@ def profile(args) -> None:
             with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
                 run(2)
                 torch.cuda.synchronize()
-            ev = p.key_averages()
-            gpu = sum(e.self_device_time_total for e in ev) / 1e6
-            print(f"--- minite-{precision} {name} b{batch}: wall {wall:.3f} s unprofiled; GPU busy {gpu:.3f} s profiled")
+            ev, b = p.key_averages(), kernel_breakdown(kernel_intervals(p))
+            print(f"--- minite-{precision} {name} b{batch}: wall {wall:.3f} s unprofiled; GPU busy {b['busy']:.3f} s "
+                  f"profiled ({b['busy'] / wall:.0%}), {b['kernels']} kernels")
+            for fam, (sec, n) in sorted(b["families"].items(), key=lambda kv: -kv[1][0]):
+                print(f"    {fam:30s} {sec * 1e3:8.1f} ms {n:6d} kernels")
             print(ev.table(sort_by="self_device_time_total", row_limit=16, max_name_column_width=50))
             print(ev.table(sort_by="self_cpu_time_total", row_limit=16, max_name_column_width=50))
 
