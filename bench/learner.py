@@ -81,17 +81,18 @@ def hf_step_fn(cfg: Qwen3Config, batch: int, seq: int):
     return step
 
 
-def profile(name: str, step, step_s: float) -> None:
+def profile(name: str, step, step_s: float, device: str = "cuda") -> None:
     """One more step under torch.profiler: its GPU time by kernel family against the unprofiled step time
     `step_s` (a GPU idle share well above zero: the step waits on the host, launch overhead or syncs, not on
-    kernels), then the kernels that take the most."""
-    prof = profiled(step)
-    b = kernel_breakdown(kernel_intervals(prof))
+    kernels), then the kernels that take the most. (`device` "cpu": the CPU ops, for the tests.)"""
+    prof = profiled(step, device)
+    b = kernel_breakdown(kernel_intervals(prof, device))
     print(f"--- {name}: step {step_s * 1e3:.1f} ms (unprofiled median), GPU busy {b['busy'] * 1e3:.1f} ms "
           f"({b['busy'] / step_s:.0%}; idle {max(0.0, step_s - b['busy']) * 1e3:.1f} ms), {b['kernels']} kernels")
     for fam, (sec, n) in sorted(b["families"].items(), key=lambda kv: -kv[1][0]):
         print(f"    {fam:30s} {sec * 1e3:8.1f} ms {n:6d} kernels")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total" if device == "cuda" else "cpu_time_total", row_limit=25,
+                                    max_name_column_width=60))
 
 
 def main() -> None:
@@ -124,12 +125,18 @@ def main() -> None:
                 step = build()
                 times = time_steps(step, args.steps)
                 med = statistics.median(times)
-                if args.profile:
-                    profile(name, step, med)
                 rows.append((name, med, tokens / med, torch.cuda.max_memory_allocated() / 2**30))
             except Exception as e:  # report and go on: one failing row must not cost the others
                 rows.append((name, float("nan"), float("nan"), float("nan")))
                 print(f"{name}: FAILED {type(e).__name__}: {e}", file=sys.stderr)
+                torch.cuda.empty_cache()
+                continue
+            if args.profile:
+                try:
+                    profile(name, step, med)
+                except Exception as e:  # nor a failing profile the timings
+                    print(f"{name}: profile FAILED {type(e).__name__}: {e}", file=sys.stderr)
+            del step
             torch.cuda.empty_cache()
     print(f"\nlearner step, Qwen3-{args.config} shape, batch {args.batch} x seq {args.seq}, attention={args.attention}, "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}")

@@ -43,3 +43,13 @@ def test_the_profiler_path_returns_the_kernels_a_step_ran():
     assert "aten::mm" in names and "aten::relu_" in names, names
     assert all(0 < end - start < wall for _, start, end in ks)
     assert 0 < kernel_breakdown(ks)["busy"] <= wall
+
+
+def test_learner_profile_prints_the_busy_time_and_the_families(capsys):
+    from bench.learner import profile
+
+    a = torch.randn(128, 128)
+    profile("cpu-step", lambda: (a @ a).relu_(), step_s=10.0, device="cpu")
+    out = capsys.readouterr().out
+    assert "--- cpu-step: step 10000.0 ms (unprofiled median), GPU busy" in out, out
+    assert "other" in out and "aten::mm" in out, out
