@@ -57,6 +57,7 @@ tar cJf "$OUT/triton-cache.tar.xz" -C ~/.triton cache 2>/dev/null && ls -l "$OUT
 echo "== summary"
 [ -f "$OUT/tests.txt" ] && echo "tests:    $(grep -E '[0-9]+ (passed|failed)' "$OUT/tests.txt" | tail -1)"
 [ -f "$OUT/learner.txt" ] && grep -E '^NVFP4 / (BF16|HF)' "$OUT/learner.txt" | sed 's/^/learner:  /'
+[ -f "$OUT/learner.txt" ] && grep -E '^--- .*GPU busy' "$OUT/learner.txt" | sed 's/^--- /profile:  /'
 [ -f "$OUT/rollout.txt" ] && grep -E 'minite-nvfp4 / ' "$OUT/rollout.txt" | sed 's/^/rollout:  /'
 [ -f "$OUT/gemm.txt" ] && grep -E '^ *[0-9]+ +[0-9]+ +(1|16|64|4096) ' "$OUT/gemm.txt" | awk -F'|' '{print "gemm:     N K M S =" $1 "w4a4 vs bf16 =" $(NF-1)}'
 [ -f "$OUT/gemm.txt" ] && grep -E '^quantize' "$OUT/gemm.txt" | sed 's/^/gemm:     /'
