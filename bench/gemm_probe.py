@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.pop("TRITON_INTERPRET", None)  # this script compiles; it never interprets
 
 import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from minite_core.kernels import attention as att_mod  # noqa: E402
 from minite_core.kernels import gemm as gemm_mod  # noqa: E402
@@ -220,6 +221,10 @@ def sm90_cases() -> list[tuple]:
                   dict(a_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32")))
     cases.append(("quantize_row_gs", qmod._quantize_kernel, dict(ROW_GS=True, NB=64, EVEN_K=True),
                   dict(BLOCK_M=1, BLOCK_N=1024, BLOCK_K=16, num_warps=4, num_stages=1), ("stride_gs",), 1))
+    # the learner's re-quantize: every weight in one launch (fp32 masters)
+    cases.append(("quantize_many", qmod._quantize_many_kernel, dict(XDT=tl.float32, NB=64),
+                  dict(BLOCK_M=1, BLOCK_N=1024, BLOCK_K=16, num_warps=4, num_stages=1), (), 1,
+                  dict(meta_ptr="*i64", row_tensor_ptr="*i32", gs_ptr="*fp32")))
     cases.append(("silu_mul", rows_mod._silu_mul_fwd_kernel, dict(BLOCK=1024),
                   dict(BLOCK_M=1, BLOCK_N=1024, BLOCK_K=16, num_warps=4, num_stages=1), (), 1))
     bm, bn, sn = att_mod.attention_config()  # decode: a KV head's query heads in one tile, the cache rows by slot

@@ -83,23 +83,28 @@ def quantize(
 def quantize_weights(tensors: list, *, backend: str | None = None) -> list:
     """Per-tensor-scale NVFP4 of many weights (the learner's re-quantize of its masters), the same bits
     as `quantize(t, scale_mode="tensor")` of each. Triton backend: the amaxes in one multi-tensor
-    reduction (max |x| is exact, so the global scales are the same), one finiteness check and host sync for
-    all of them (an amax is finite iff its tensor is), then the fused quantize kernel per tensor; no
-    `abs()` / `isfinite()` copies of the weights and no sync per weight. Torch backend: `quantize` each."""
+    reduction (max |x| is exact, so the global scales are the same), all the weights in one kernel launch
+    (`quantize_many_triton`), then one finiteness check and host sync for all of them (an amax is finite iff
+    its tensor is; checked after the launch, so the GPU quantizes while the host waits): no `abs()` /
+    `isfinite()` copies of the weights, no sync and no launch per weight. Torch backend: `quantize` each."""
     backend = resolve_backend(backend)
     if backend == "torch" or not tensors:
         return [quantize(t, scale_mode="tensor", backend=backend) for t in tensors]
-    from .kernels.quantize import quantize_triton
+    from .kernels.quantize import quantize_many_triton
 
     for i, t in enumerate(tensors):
         check_float_input(t, f"tensors[{i}]", check_finite=False)
         _check_triton_device(t, f"tensors[{i}]")
+        if t.shape[-1] % nvfp4.BLOCK:
+            raise ValueError(f"tensors[{i}] has K={t.shape[-1]}, not a multiple of {nvfp4.BLOCK}")
+    if len({(t.dtype, t.device) for t in tensors}) > 1:
+        raise ValueError("quantize_weights: the tensors must share one dtype and one device")
     amax = torch.stack([a.float() for a in torch._foreach_norm(list(tensors), float("inf"))])
+    out = quantize_many_triton([t.contiguous() for t in tensors], nvfp4.global_scale_from_amax(amax))
     if not bool(torch.isfinite(amax).all()):
         bad = [i for i, ok in enumerate(torch.isfinite(amax).tolist()) if not ok]
         raise ValueError(f"tensors {bad} contain NaN or Inf values")
-    gs = nvfp4.global_scale_from_amax(amax)
-    return [quantize_triton(t.contiguous(), gs[i]) for i, t in enumerate(tensors)]
+    return out
 
 
 def _check_linear(x, w, bias, name: str = "w"):

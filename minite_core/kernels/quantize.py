@@ -79,6 +79,42 @@ def quantize_blocks(x, gs, inv_gs):
 
 
 @triton.jit
+def _quantize_chunk(x_row, d_row, s_row, k0, K, gs, inv_gs, NB: tl.constexpr, MASKED: tl.constexpr):
+    """The NB blocks of a row from k0 (MASKED: those past K left out)."""
+    blk = tl.arange(0, NB)
+    offs16 = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
+    offs8 = blk[:, None] * 8 + tl.arange(0, 8)[None, :]
+    if MASKED:
+        x = tl.load(x_row + k0 + offs16, mask=(k0 + offs16) < K, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(x_row + k0 + offs16).to(tl.float32)
+    packed, s_code = quantize_blocks(x, gs, inv_gs)
+    if MASKED:
+        tl.store(d_row + k0 // 2 + offs8, packed, mask=(k0 // 2 + offs8) < K // 2)
+        tl.store(s_row + k0 // 16 + blk, s_code, mask=(k0 // 16 + blk) < K // 16)
+    else:
+        tl.store(d_row + k0 // 2 + offs8, packed)
+        tl.store(s_row + k0 // 16 + blk, s_code)
+
+
+@triton.jit
+def quantize_row(x_row, d_row, s_row, K, gs, inv_gs, NB: tl.constexpr, EVEN_K: tl.constexpr):
+    """The NVFP4 codes of one row of K values at x_row, walked in chunks of NB blocks held as an [NB, 16]
+    tile: packed bytes to d_row, E4M3 scale bytes to s_row; gs and inv_gs = 1 / gs [NB], the row's global
+    scale. The whole chunks without masks (so the loads and stores vectorize), then, unless EVEN_K (K a
+    multiple of NB * 16), the last part chunk with them."""
+    if EVEN_K:
+        for k0 in range(0, K, NB * 16):
+            _quantize_chunk(x_row, d_row, s_row, k0, K, gs, inv_gs, NB, False)
+    else:
+        whole = tl.multiple_of(K - K % (NB * 16), NB * 16)
+        for k0 in range(0, whole, NB * 16):
+            _quantize_chunk(x_row, d_row, s_row, k0, K, gs, inv_gs, NB, False)
+        if whole < K:
+            _quantize_chunk(x_row, d_row, s_row, whole, K, gs, inv_gs, NB, True)
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr, data_ptr, scale_ptr, gs_ptr,
     K, stride_x, stride_data, stride_scale, stride_gs,
@@ -89,9 +125,9 @@ def _quantize_kernel(
         pdl.prologue()
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
-    blk = tl.arange(0, NB)
-    offs16 = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
     if ROW_GS:
+        blk = tl.arange(0, NB)
+        offs16 = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
         amax = tl.zeros([NB], dtype=tl.float32)
         for k0 in range(0, K, NB * 16):
             if EVEN_K:  # no mask, so loads vectorize
@@ -105,19 +141,26 @@ def _quantize_kernel(
         gs = tl.load(gs_ptr + row * stride_gs)
     gs = gs + tl.zeros([NB], dtype=tl.float32)
     inv_gs = tl.div_rn(tl.zeros([NB], dtype=tl.float32) + 1.0, gs)
-    for k0 in range(0, K, NB * 16):
-        if EVEN_K:
-            x = tl.load(x_row + k0 + offs16).to(tl.float32)
-        else:
-            x = tl.load(x_row + k0 + offs16, mask=(k0 + offs16) < K, other=0.0).to(tl.float32)
-        packed, s_code = quantize_blocks(x, gs, inv_gs)
-        offs8 = blk[:, None] * 8 + tl.arange(0, 8)[None, :]
-        if EVEN_K:
-            tl.store(data_ptr + row * stride_data + k0 // 2 + offs8, packed)
-            tl.store(scale_ptr + row * stride_scale + k0 // 16 + blk, s_code)
-        else:
-            tl.store(data_ptr + row * stride_data + k0 // 2 + offs8, packed, mask=(k0 // 2 + offs8) < K // 2)
-            tl.store(scale_ptr + row * stride_scale + k0 // 16 + blk, s_code, mask=(k0 // 16 + blk) < K // 16)
+    quantize_row(x_row, data_ptr + row * stride_data, scale_ptr + row * stride_scale, K, gs, inv_gs, NB, EVEN_K)
+
+
+@triton.jit
+def _quantize_many_kernel(meta_ptr, row_tensor_ptr, gs_ptr, XDT: tl.constexpr, NB: tl.constexpr):
+    """One program per row of many tensors, their rows numbered in tensor order: the row's tensor t
+    (row_tensor), t's x / packed / scale-byte addresses, K and first row (meta [n, 5] int64), and t's
+    global scale gs[t]; then `_quantize_kernel`'s walk over the row."""
+    row = tl.program_id(0).to(tl.int64)
+    m = meta_ptr + tl.load(row_tensor_ptr + row).to(tl.int64) * 5
+    k = tl.multiple_of(tl.load(m + 3), 16)  # (K % 16 == 0: the launcher checks)
+    r = row - tl.load(m + 4)
+    # row starts: x at r * K elements (K a multiple of 16) of a 16-byte aligned tensor, its packed bytes at
+    # r * K / 2 (a multiple of 8) of a fresh allocation (the launcher checks): the hints let the loads vectorize
+    x_row = tl.multiple_of(tl.load(m).to(tl.pointer_type(XDT)), 16) + tl.multiple_of(r * k, 16)
+    d_row = tl.multiple_of(tl.load(m + 1).to(tl.pointer_type(tl.uint8)), 16) + tl.multiple_of(r * (k // 2), 8)
+    s_row = tl.load(m + 2).to(tl.pointer_type(tl.uint8)) + r * (k // 16)
+    gs = tl.load(gs_ptr + tl.load(row_tensor_ptr + row)) + tl.zeros([NB], dtype=tl.float32)
+    inv_gs = tl.div_rn(tl.zeros([NB], dtype=tl.float32) + 1.0, gs)
+    quantize_row(x_row, d_row, s_row, k, gs, inv_gs, NB, False)
 
 
 def nvfp4_buffers(r: int, k: int, device, row_scales: bool = True) -> tuple:
@@ -156,6 +199,48 @@ def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None) -> NVFP4
             ROW_GS=global_scale is None, NB=nb, EVEN_K=k % (nb * BLOCK) == 0, num_warps=4, **pdl.launch(x.device),
         )
     return as_nvfp4((data, scale, gs), tuple(x.shape), global_scale)
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_ROW_TENSOR: dict = {}  # (device, rows of each tensor) -> row -> tensor index, int32 (the learner's weights: one entry)
+
+
+def quantize_many_triton(tensors: list, global_scales: torch.Tensor) -> list[NVFP4Tensor]:
+    """[quantize_triton(t, global_scales[i]) for i, t in enumerate(tensors)] in one launch, the same bits (the
+    same row walk over the same blocks): the learner's re-quantize of all its weights, which took a launch
+    per weight. Each tensor [..., K] (K a multiple of 16), all of one dtype and device; global_scales [n]."""
+    first = tensors[0]
+    ts = [t.reshape(-1, t.shape[-1]) for t in tensors]
+    if any(t.stride(-1) != 1 or (t.shape[0] > 1 and t.stride(0) != t.shape[1]) for t in ts):
+        raise ValueError("quantize_many_triton needs contiguous tensors")
+    if any(t.dtype != first.dtype or t.device != first.device or t.shape[-1] % BLOCK for t in ts):
+        raise ValueError(f"quantize_many_triton: tensors of one dtype and device, K a multiple of {BLOCK}")
+    ts = [t if t.data_ptr() % 16 == 0 else t.clone() for t in ts]  # (the kernel's alignment hint)
+    outs = [nvfp4_buffers(t.shape[0], t.shape[1], t.device, row_scales=False)[:2] for t in ts]
+    if any(data.data_ptr() % 16 for data, _ in outs):
+        raise RuntimeError("quantize_many_triton: an allocation is not 16-byte aligned")
+    rows = tuple(t.shape[0] for t in ts)
+    total, start = sum(rows), 0
+    meta = []
+    for t, (data, scale), n in zip(ts, outs, rows):
+        meta.append((t.data_ptr(), data.data_ptr(), scale.data_ptr(), t.shape[1], start))
+        start += n
+    if total:
+        dev = first.device
+        meta_t = torch.tensor(meta, dtype=torch.int64)
+        # pinned and asynchronous: the copy does not wait for the work queued before it (the optimizer step)
+        meta_t = meta_t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else meta_t
+        key = (dev, rows)
+        if key not in _ROW_TENSOR:
+            _ROW_TENSOR.clear()
+            counts = torch.tensor(rows, device=dev)
+            _ROW_TENSOR[key] = torch.repeat_interleave(torch.arange(len(ts), device=dev, dtype=torch.int32), counts,
+                                                       output_size=total)
+        nb = min(64, triton.next_power_of_2(max(t.shape[1] for t in ts) // BLOCK))
+        _quantize_many_kernel[(total,)](meta_t, _ROW_TENSOR[key], global_scales.reshape(-1).float().contiguous(),
+                                        XDT=_TL_DTYPES[first.dtype], NB=nb, num_warps=4)
+    return [as_nvfp4((data, scale, None), tuple(t.shape), global_scales[i]) for i, (t, (data, scale)) in
+            enumerate(zip(tensors, outs))]
 
 
 @triton.jit

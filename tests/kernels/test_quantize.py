@@ -54,3 +54,27 @@ def test_values_beyond_six_saturate_like_the_clamped_definition():
     v = torch.tensor([6.0, 6.000001, 6.5, 7.0, 12.0, 448.0, 1e30, 3.4e38])
     v = torch.cat([v, -v]).to(DEVICE)
     assert torch.equal(_round(v), nvfp4.round_e2m1(v.clamp(-6.0, 6.0)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_tensors_in_one_launch_have_the_bits_of_one_launch_each(dtype):
+    """`quantize_many_triton` (the learner's re-quantize: every weight in one launch) == `quantize_triton` of
+    each tensor with the same global scale, and == the torch definition: shapes whose K is one block, not a
+    whole chunk (48, 208), more than one chunk (1040 > 64 blocks), 1 .. 17 rows, a 3-D tensor, a zero tensor."""
+    from minite_core.kernels.quantize import quantize_many_triton, quantize_triton
+
+    g = torch.Generator().manual_seed(7)
+    shapes = [(3, 16), (17, 48), (1, 208), (5, 1040), (2, 3, 64), (4, 32)]
+    ts = [(torch.randn(*s, generator=g) * 10.0 ** (i - 3)).to(device=DEVICE, dtype=dtype) for i, s in enumerate(shapes)]
+    ts[-1].zero_()
+    gs = nvfp4.global_scale_from_amax(torch.stack([t.abs().amax().float() for t in ts]))
+    got = quantize_many_triton(ts, gs)
+    for i, (t, q) in enumerate(zip(ts, got)):
+        for ref in (quantize_triton(t, gs[i]), nvfp4.quantize(t, global_scale=gs[i])):
+            assert q.shape == ref.shape and torch.equal(q.data, ref.data), i
+            assert torch.equal(q.scale.view(torch.uint8), ref.scale.view(torch.uint8)), i
+            assert torch.equal(q.global_scale.reshape(()), ref.global_scale.reshape(())), i
+    with pytest.raises(ValueError, match="one dtype"):
+        quantize_many_triton([ts[0], ts[1].double()], gs[:2])
+    with pytest.raises(ValueError, match="contiguous"):
+        quantize_many_triton([ts[1].T], gs[:1])
