@@ -26,3 +26,35 @@ def test_a_decode_layer_launches_one_kernel_per_fused_op(precision):
 
     one, two = decode_step_launches(1, precision, batch=2), decode_step_launches(2, precision, batch=2)
     assert two - one == LAYER[precision] and one - two == Counter()  # nothing else grows with the depth
+
+
+# One learner-step layer (bench/learner_host.py; the GPU's backward recipe, M > 128 so the GEMMs take the wide
+# tiles), by design: forward as the decode layer but the attention in SDPA (the bench's knob) and the wide GEMMs'
+# fp16 operands decoded once per call (x, one launch per linears call: 4) and per weight (7); backward: the four
+# RMSNorms (input, post-attention, q, k), RoPE of q and k, SiLU*up, and in NVFP4 the dequantize of the 7 weights
+# and of the 4 quantized inputs; AdamW in torch; re-quantize: one launch for all the weights, whatever the depth.
+LEARNER_LAYER = {
+    "nvfp4": {"forward": Counter({"triton _rms_norm_fwd_kernel": 2, "triton _decode_kernel": 11, "triton _gemm_kernel": 4,
+                                  "triton _qk_norm_rope_kernel": 1, "triton _quantize_kernel": 1,
+                                  "triton _silu_mul_quantize_kernel": 1}),
+              "backward": Counter({"triton _dequantize_kernel": 11, "triton _rms_norm_bwd_kernel": 4,
+                                   "triton _rope_kernel": 2, "triton _silu_mul_bwd_kernel": 1}),
+              "adamw": Counter(), "requantize": Counter()},
+    "bf16": {"forward": Counter({"triton _rms_norm_fwd_kernel": 2, "triton _gemm_kernel": 4, "triton _qk_norm_rope_kernel": 1,
+                                 "triton _silu_mul_fwd_kernel": 1}),
+             "backward": Counter({"triton _rms_norm_bwd_kernel": 4, "triton _rope_kernel": 2, "triton _silu_mul_bwd_kernel": 1}),
+             "adamw": Counter(), "requantize": Counter()},
+}
+
+
+@pytest.mark.parametrize("precision", ["nvfp4", "bf16"])
+def test_a_learner_layer_launches_its_kernels_once_and_requantize_launches_one(precision):
+    from bench.learner_host import learner_step_host
+
+    one, two = learner_step_host(1, precision, repeats=1), learner_step_host(2, precision, repeats=1)
+    for phase, want in LEARNER_LAYER[precision].items():
+        triton = lambda c: Counter({k: v for k, v in c.items() if k.startswith("triton ")})  # noqa: E731
+        assert triton(two[phase][1]) - triton(one[phase][1]) == want, phase
+        assert triton(one[phase][1]) - triton(two[phase][1]) == Counter(), phase
+    requant = {k: v for k, v in two["requantize"][1].items() if k.startswith("triton ")}
+    assert requant == ({"triton _quantize_many_kernel": 1} if precision == "nvfp4" else {}), requant
