@@ -8,7 +8,8 @@ chunks of NB blocks held as an [NB, 16] tile and, per 16-element block, computes
 may lower to an approximate division on the GPU), the E4M3 rounding of the block scale is done on the
 fp32 bits (no reliance on the target's fp8 conversion), and E2M1 rounding counts thresholds with ties
 to even. The output is bit-identical to the torch backend, which tests check on CPU (interpreter)
-and GPU.
+and GPU. `quantize_many_triton` runs the same row walk (`quantize_row`) over the rows of many tensors in one
+launch, each with its own global scale (the learner's re-quantize of all its weights).
 
 Dequantize decodes with the GEMM's own decode (`gemm.load_decode_step`: code * block scale, exact in fp16),
 then multiplies by the global scale in fp32 and rounds once to the output dtype: `nvfp4.dequantize`'s
@@ -150,7 +151,8 @@ def _quantize_many_kernel(meta_ptr, row_tensor_ptr, gs_ptr, XDT: tl.constexpr, N
     (row_tensor), t's x / packed / scale-byte addresses, K and first row (meta [n, 5] int64), and t's
     global scale gs[t]; then `_quantize_kernel`'s walk over the row."""
     row = tl.program_id(0).to(tl.int64)
-    m = meta_ptr + tl.load(row_tensor_ptr + row).to(tl.int64) * 5
+    t = tl.load(row_tensor_ptr + row)
+    m = meta_ptr + t.to(tl.int64) * 5
     k = tl.multiple_of(tl.load(m + 3), 16)  # (K % 16 == 0: the launcher checks)
     r = row - tl.load(m + 4)
     # row starts: x at r * K elements (K a multiple of 16) of a 16-byte aligned tensor, its packed bytes at
@@ -158,7 +160,7 @@ def _quantize_many_kernel(meta_ptr, row_tensor_ptr, gs_ptr, XDT: tl.constexpr, N
     x_row = tl.multiple_of(tl.load(m).to(tl.pointer_type(XDT)), 16) + tl.multiple_of(r * k, 16)
     d_row = tl.multiple_of(tl.load(m + 1).to(tl.pointer_type(tl.uint8)), 16) + tl.multiple_of(r * (k // 2), 8)
     s_row = tl.load(m + 2).to(tl.pointer_type(tl.uint8)) + r * (k // 16)
-    gs = tl.load(gs_ptr + tl.load(row_tensor_ptr + row)) + tl.zeros([NB], dtype=tl.float32)
+    gs = tl.load(gs_ptr + t) + tl.zeros([NB], dtype=tl.float32)
     inv_gs = tl.div_rn(tl.zeros([NB], dtype=tl.float32) + 1.0, gs)
     quantize_row(x_row, d_row, s_row, k, gs, inv_gs, NB, False)
 
@@ -208,7 +210,8 @@ _ROW_TENSOR: dict = {}  # (device, rows of each tensor) -> row -> tensor index, 
 def quantize_many_triton(tensors: list, global_scales: torch.Tensor) -> list[NVFP4Tensor]:
     """[quantize_triton(t, global_scales[i]) for i, t in enumerate(tensors)] in one launch, the same bits (the
     same row walk over the same blocks): the learner's re-quantize of all its weights, which took a launch
-    per weight. Each tensor [..., K] (K a multiple of 16), all of one dtype and device; global_scales [n]."""
+    per weight. Each tensor [..., K] (K a multiple of 16), all of one dtype and device (at least one tensor);
+    global_scales [n]."""
     first = tensors[0]
     ts = [t.reshape(-1, t.shape[-1]) for t in tensors]
     if any(t.stride(-1) != 1 or (t.shape[0] > 1 and t.stride(0) != t.shape[1]) for t in ts):
