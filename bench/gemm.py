@@ -22,11 +22,12 @@ For each shape (N, K) and M it times, with triton.testing.do_bench_cudagraph (me
                 this M (a different reduction order: S is one per (N, K) for every M, so a change of S
                 changes the bits of the rollout and the learner alike); `--chunks 1,2,4` times each listed S
                 (minite-gemm-s<S>, here and in the decode layer), the curve `k_chunks` chooses a point on
-and the activation-quantize kernel's bandwidth against a plain device copy, and (`decode_layer`) a Qwen3
-layer's seven linears at decode batch sizes as the model runs them. It also checks, on the GPU,
-that the swapped narrow tiles (M <= 128: BLOCK_M 16/32/64/128) give the same bits as the wide ones (the
-condition for SMALL_M_TILES), and that the W4A4 output is invariant: row i of an M-row product == the
-1-row product.
+and the activation-quantize kernel's bandwidth against a plain device copy, (`decode_layer`) a Qwen3
+layer's seven linears at decode batch sizes as the model runs them, and (`learner_layer`, last; alone with
+`--learner-only`) the same linears at the learner's 4 x 2048 rows, forward and forward + backward. It also
+checks, on the GPU, that the swapped narrow tiles (M <= 128: BLOCK_M 16/32/64/128) give the same bits as
+the wide ones (the condition for SMALL_M_TILES), and that the W4A4 output is invariant: row i of an M-row
+product == the 1-row product.
 
 The MoE table (`grouped`) times the grouped W4A4 GEMM (kernels/grouped_gemm.py: one launch over all
 experts, routing read on the device) against a per-expert loop of cuBLAS bf16 matmuls and a per-expert
@@ -351,6 +352,62 @@ def decode_layer(ms=(16, 64), chunks=(1,)) -> list[dict]:
     return rows
 
 
+def learner_layer(m: int = 8192, timer=None, device: str = "cuda", layers: dict | None = None) -> list[dict]:
+    """A learner layer's linears, forward and forward + backward through the autograd path the learner runs
+    (M = batch x seq rows; `triton.testing.do_bench` medians, not CUDA graphs: autograd runs on the host):
+      cublas-bf16      F.linear on bf16 weights that require grad (what a bf16 PyTorch step runs)
+      minite-bf16      ops.linears on the fp32 masters cast to bf16 (the BF16 learner: `Qwen3.param`)
+      minite-nvfp4     ops.linears on NVFP4 weights, the gradients to the fp32 masters (straight-through)
+      minite-nvfp4-fp8 the same with backward="fp8" (e4m3 operands, per-row scales)
+    q/k/v and gate/up as one call each, the o_proj and down inputs quantized by the call (in the model the
+    norms and SiLU*up hand over q/k/v's, gate/up's and down's). Where the NVFP4 step's linears spend the time
+    that the BF16 step's do not: the layer's forward and backward, without norms and attention."""
+    timer = timer or (lambda fn: triton.testing.do_bench(fn, rep=200, return_mode="median") * 1e-3)
+    g = torch.Generator(device=device).manual_seed(0)
+    rnd = lambda *sh: torch.randn(*sh, device=device, generator=g)  # noqa: E731
+    bf16 = torch.bfloat16
+    rows = []
+    for name, (h, nq, nkv, inter) in (layers or LAYERS).items():
+        calls = [("x", ("q", "k", "v")), ("a", ("o",)), ("x", ("gate", "up")), ("hs", ("down",))]
+        shapes = {"q": (nq, h), "k": (nkv, h), "v": (nkv, h), "o": (h, nq), "gate": (inter, h), "up": (inter, h),
+                  "down": (h, inter)}
+        masters = {k: (rnd(*sh) * 0.02).requires_grad_(True) for k, sh in shapes.items()}
+        wq = {k: ops.quantize(w.detach(), scale_mode="tensor", backend="triton") for k, w in masters.items()}
+        wb = {k: w.detach().to(bf16).requires_grad_(True) for k, w in masters.items()}
+        inputs = {"x": rnd(m, h).to(bf16), "a": rnd(m, nq).to(bf16), "hs": rnd(m, inter).to(bf16)}
+        inputs = {k: v.requires_grad_(True) for k, v in inputs.items()}
+        douts = {k: rnd(m, sh[0]).to(bf16) for k, sh in shapes.items()}
+
+        def layer(engine: str):
+            outs, leaves = [], []
+            for src, names in calls:
+                x = inputs[src]
+                if engine == "cublas-bf16":
+                    outs += [torch.nn.functional.linear(x, wb[n]) for n in names]
+                elif engine == "minite-bf16":
+                    outs += ops.linears(x, [masters[n].to(bf16) for n in names], backend="triton", check_finite=False)
+                else:
+                    outs += ops.linears(x, [wq[n] for n in names], backend="triton", check_finite=False,
+                                        masters=[masters[n] for n in names],
+                                        backward="fp8" if engine.endswith("fp8") else "ste")
+                leaves += names
+            return outs, leaves
+
+        def fwd_bwd(engine: str):
+            outs, leaves = layer(engine)
+            params = [wb[n] for n in shapes] if engine == "cublas-bf16" else [masters[n] for n in shapes]
+            torch.autograd.grad(outs, list(inputs.values()) + params, [douts[n] for n in leaves], allow_unused=True)
+
+        r = {"model": name, "M": m}
+        for engine in ("cublas-bf16", "minite-bf16", "minite-nvfp4", "minite-nvfp4-fp8"):
+            with torch.no_grad():
+                r[f"{engine}-fwd"] = timer(lambda: layer(engine))
+            r[f"{engine}-fwd-bwd"] = timer(lambda: fwd_bwd(engine))
+        rows.append(r)
+        print("# learner layer", json.dumps(r), flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -359,11 +416,14 @@ def main():
     ap.add_argument("--grouped-only", action="store_true", help="only the MoE grouped GEMM table")
     ap.add_argument("--decoded-sweep", action="store_true", help="first time the decoded wide path's tiles")
     ap.add_argument("--chunks", default="1", help="K chunk counts S to time beside k_chunks' own, e.g. 1,2,4")
+    ap.add_argument("--learner-only", action="store_true", help="only the learner layer's table (fwd, fwd + bwd)")
     args = ap.parse_args()
     chunks = tuple(int(c) for c in args.chunks.split(","))
     if not torch.cuda.is_available():
         sys.exit("bench/gemm.py needs a CUDA GPU")
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
+    if args.learner_only:
+        return print_learner_layer()
     if args.sweep:
         sweep()
     if args.decoded_sweep:
@@ -420,6 +480,23 @@ def main():
         for r in layer:
             print(f"chunks layer {r['model']:4s} M {r['M']:3d} | {us(r['nvfp4-now'])} | "
                   + " | ".join(us(r.get(f"nvfp4-now-s{s}")) for s in chunks))
+    print_learner_layer()
+
+
+def print_learner_layer() -> None:
+    """`learner_layer`'s table (last: a failure there costs none of the tables above)."""
+    try:
+        rows = learner_layer()
+    except Exception as e:  # reported, not fatal
+        print(f"\nlearner layer: FAILED {type(e).__name__}: {e}", flush=True)
+        return
+    engines = ("cublas-bf16", "minite-bf16", "minite-nvfp4", "minite-nvfp4-fp8")
+    print("\nlearner layer M | " + " | ".join(f"{e} fwd, fwd+bwd" for e in engines) + " | nvfp4 / minite bf16 (fwd+bwd; ms)")
+    for r in rows:
+        print(f"learner {r['model']:4s} {r['M']:5d} | "
+              + " | ".join(f"{r[f'{e}-fwd'] * 1e3:6.2f} {r[f'{e}-fwd-bwd'] * 1e3:6.2f}" for e in engines)
+              + f" | {r['minite-bf16-fwd-bwd'] / r['minite-nvfp4-fwd-bwd']:.2f}x, fp8 "
+              f"{r['minite-bf16-fwd-bwd'] / r['minite-nvfp4-fp8-fwd-bwd']:.2f}x")
 
 
 if __name__ == "__main__":
