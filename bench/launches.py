@@ -36,12 +36,14 @@ NO_KERNEL = {"view", "_unsafe_view", "reshape", "transpose", "t", "permute", "ex
 
 
 class Launches(TorchDispatchMode):
-    """Counts Triton launches and kernel-launching aten ops (the interpreter's own tensor work excluded)."""
+    """Counts Triton launches and kernel-launching aten ops (the interpreter's own tensor work excluded).
+    `run_kernels=False`: the Triton kernels are counted and skipped (bench/learner_host.py)."""
 
-    def __init__(self):
+    def __init__(self, run_kernels: bool = True):
         super().__init__()
         self.counts = collections.Counter()
         self.inside = 0
+        self.run_kernels = run_kernels
 
     def __enter__(self):
         run = interpreter.InterpretedFunction.run
@@ -49,6 +51,8 @@ class Launches(TorchDispatchMode):
 
         def counted(fn, *args, **kwargs):
             mode.counts["triton " + fn.fn.__name__] += 1
+            if not mode.run_kernels:
+                return None
             mode.inside += 1
             try:
                 return run(fn, *args, **kwargs)

@@ -31,45 +31,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import triton.runtime.interpreter as interpreter  # noqa: E402
 
-from bench.launches import NO_KERNEL  # noqa: E402
+from bench.launches import Launches  # noqa: E402
 from minite_core import backward as bwd  # noqa: E402
 from minite_core import ops  # noqa: E402
 from minite_core.model.load import load_model  # noqa: E402
 from minite_core.model.qwen3 import Qwen3Config  # noqa: E402
 from minite_core.model.random_init import random_checkpoint  # noqa: E402
 from minite_core.rl.step import LearnerState, fp32_masters, make_optimizer  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 PHASES = ("forward", "backward", "adamw", "requantize")
 
 
 @contextlib.contextmanager
-def gpu_paths_without_kernels(counts: collections.Counter | None = None):
-    """Within the block every Triton kernel is skipped (counted into `counts` when given), and the linears'
-    backward takes the GPU's recipe."""
-    def skipped(fn, *args, **kwargs):
-        if counts is not None:
-            counts["triton " + fn.fn.__name__] += 1
-    saved = interpreter.InterpretedFunction.run, ops._linear_grads
-    interpreter.InterpretedFunction.run, ops._linear_grads = skipped, _gpu_linear_grads
+def gpu_backward():
+    """Within the block the linears' backward takes the GPU's recipe (`_gpu_linear_grads`)."""
+    saved, ops._linear_grads = ops._linear_grads, _gpu_linear_grads
     try:
         yield
     finally:
-        interpreter.InterpretedFunction.run, ops._linear_grads = saved
+        ops._linear_grads = saved
 
 
-class AtenLaunches(TorchDispatchMode):
-    """Counts the aten ops that launch a kernel on a GPU (all but NO_KERNEL: views and allocations)."""
-
-    def __init__(self, counts: collections.Counter):
-        super().__init__()
-        self.counts = counts
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name not in NO_KERNEL:
-            self.counts["aten " + name] += 1
-        return func(*args, **(kwargs or {}))
+@contextlib.contextmanager
+def without_kernels():
+    """Within the block every Triton kernel is skipped (for timing: no dispatch mode, no counting)."""
+    saved = interpreter.InterpretedFunction.run
+    interpreter.InterpretedFunction.run = lambda fn, *args, **kwargs: None
+    try:
+        yield
+    finally:
+        interpreter.InterpretedFunction.run = saved
 
 
 _CPU_LINEAR_GRADS = ops._linear_grads
@@ -109,18 +100,20 @@ def learner_step_host(layers: int, precision: str, repeats: int = 3) -> dict:
         state.opt.step()
 
     steps = list(zip(PHASES, (forward, backward, adamw, state.requantize)))
-    times, counts = collections.defaultdict(list), {p: collections.Counter() for p in PHASES}
-    for r in range(repeats + 1):  # the first step warms up (allocations, lazy state)
-        for phase, fn in steps:
-            with gpu_paths_without_kernels():
-                t0 = time.perf_counter()
+    times, counts = collections.defaultdict(list), {}
+    with gpu_backward():
+        for r in range(repeats + 1):  # the first step warms up (allocations, lazy state)
+            for phase, fn in steps:
+                with without_kernels():
+                    t0 = time.perf_counter()
+                    fn()
+                    elapsed = time.perf_counter() - t0
+                if r:
+                    times[phase].append(elapsed)
+        for phase, fn in steps:  # one more step, counted (the counting itself costs host time: not timed)
+            with Launches(run_kernels=False) as mode:
                 fn()
-                elapsed = time.perf_counter() - t0
-            if r:
-                times[phase].append(elapsed)
-    for phase, fn in steps:  # one more step, counted (the counting itself costs host time: not timed)
-        with gpu_paths_without_kernels(counts[phase]), AtenLaunches(counts[phase]):
-            fn()
+            counts[phase] = mode.counts
     return {p: (statistics.median(times[p]), counts[p]) for p in PHASES}
 
 
