@@ -212,7 +212,7 @@ def _linear_grads(ctx, g2, x2, w, w_tensor, need_x: bool, need_w: bool, deq):
         rows = bwd.e4m3_rows
         if resolve_backend(ctx.backend) == "triton":
             from .kernels.fp8 import e4m3_rows_triton as rows
-        return bwd.fp8_recipe(g2, x2, w, ctx.xq, need_x, need_w, deq, rows)
+        return bwd.fp8_recipe(g2, x2, w, ctx.xq, need_x, need_w, deq, rows, ctx.x_dtype)
     if g2.is_cuda:
         return bwd.ste_cuda(g2, x2, w, ctx.xq, ctx.x_dtype if need_x else None, w_tensor.dtype if need_w else None, deq)
     return bwd.ste_cpu(g2.float(), x2, w, ctx.xq)  # CPU: the fixed-order fp32 path (reproducible resumes)

@@ -238,6 +238,20 @@ def test_fp8_gradients_are_the_ste_gradients_up_to_e4m3():
         assert 1e-3 < rel < 0.06, rel
 
 
+def test_fp8_grad_x_comes_in_bf16_for_bf16_activations_with_one_rounding():
+    """The GEMM writes bf16 on the GPU: for bf16 activations grad_x is that output itself (no fp32 copy and
+    cast back), the same values as the fp32 result rounded once; grad_w stays fp32 for the masters."""
+    dev = "cuda" if HAS_CUDA else "cpu"
+    w = _rand(48, 64, seed=11, device=dev) * 0.1
+    x = _rand(33, 64, seed=12, device=dev, dtype=BF16)
+    g = _rand(33, 48, seed=13, device=dev, dtype=BF16)
+    wq, xq = nvfp4.quantize(w, scale_mode="tensor"), nvfp4.quantize(x)
+    gx32, gw32 = backward.fp8_recipe(g, x, wq, xq, True, True)
+    gx, gw = backward.fp8_recipe(g, x, wq, xq, True, True, x_dtype=BF16)
+    assert gx32.dtype == gw32.dtype == gw.dtype == torch.float32 and gx.dtype == BF16
+    assert torch.equal(gx, gx32.to(BF16)) and torch.equal(gw, gw32)
+
+
 @cuda_only
 def test_cuda_fp8_gradients_match_the_cpu_recipe():
     """The GPU's row-scaled e4m3 GEMM (torch._scaled_mm, bf16 out) against the CPU path on the same operands."""
