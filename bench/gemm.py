@@ -379,7 +379,7 @@ def learner_layer(m: int = 8192, timer=None, device: str = "cuda", layers: dict 
         douts = {k: rnd(m, sh[0]).to(bf16) for k, sh in shapes.items()}
 
         def layer(engine: str):
-            outs, leaves = [], []
+            outs, out_names = [], []
             for src, names in calls:
                 x = inputs[src]
                 if engine == "cublas-bf16":
@@ -390,13 +390,13 @@ def learner_layer(m: int = 8192, timer=None, device: str = "cuda", layers: dict 
                     outs += ops.linears(x, [wq[n] for n in names], backend="triton", check_finite=False,
                                         masters=[masters[n] for n in names],
                                         backward="fp8" if engine.endswith("fp8") else "ste")
-                leaves += names
-            return outs, leaves
+                out_names += names
+            return outs, out_names
 
         def fwd_bwd(engine: str):
-            outs, leaves = layer(engine)
+            outs, out_names = layer(engine)
             params = [wb[n] for n in shapes] if engine == "cublas-bf16" else [masters[n] for n in shapes]
-            torch.autograd.grad(outs, list(inputs.values()) + params, [douts[n] for n in leaves], allow_unused=True)
+            torch.autograd.grad(outs, list(inputs.values()) + params, [douts[n] for n in out_names], allow_unused=True)
 
         r = {"model": name, "M": m}
         for engine in ("cublas-bf16", "minite-bf16", "minite-nvfp4", "minite-nvfp4-fp8"):

@@ -95,8 +95,6 @@ def quantize_weights(tensors: list, *, backend: str | None = None) -> list:
     for i, t in enumerate(tensors):
         check_float_input(t, f"tensors[{i}]", check_finite=False)
         _check_triton_device(t, f"tensors[{i}]")
-        if t.shape[-1] % nvfp4.BLOCK:
-            raise ValueError(f"tensors[{i}] has K={t.shape[-1]}, not a multiple of {nvfp4.BLOCK}")
     if len({(t.dtype, t.device) for t in tensors}) > 1:
         raise ValueError("quantize_weights: the tensors must share one dtype and one device")
     amax = torch.stack([a.float() for a in torch._foreach_norm(list(tensors), float("inf"))])

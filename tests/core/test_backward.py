@@ -166,6 +166,11 @@ def test_quantize_weights_same_bits_as_one_at_a_time(backend):
     bad[0, 0] = float("nan")
     with pytest.raises(ValueError, match="NaN or Inf"):
         ops.quantize_weights([ws[0], bad], backend=backend)
+    if backend == "triton":  # one launch for all: the tensors must agree, and each row be whole blocks
+        with pytest.raises(ValueError, match="one dtype"):
+            ops.quantize_weights([ws[0], ws[1].to(torch.bfloat16)], backend=backend)
+        with pytest.raises(ValueError, match=r"tensors\[1\] has shape \(4, 24\)"):
+            ops.quantize_weights([ws[0], _rand(4, 24, seed=24, device=dev)], backend=backend)
 
 
 def test_optimizer_and_clip():
