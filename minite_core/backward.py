@@ -118,13 +118,14 @@ def e4m3_rows(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (a.float() * (torch.ones_like(scale) / scale)).to(torch.float8_e4m3fn), scale
 
 
-def _fp8_mm(a: torch.Tensor, b: torch.Tensor, rows=e4m3_rows, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _fp8_mm(a: torch.Tensor, b, rows=e4m3_rows, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """a [M, R] @ b [N, R].T on per-row e4m3 operands (`rows`: `e4m3_rows` or its kernel) -> [M, N] in
-    `out_dtype` (fp32 or bf16). The GPU's row-scaled GEMM writes bf16, so there fp32 is its output widened
-    and bf16 its output itself (no fp32 round trip); the CPU's fp32 sums are rounded once for bf16."""
-    m, n = a.shape[0], b.shape[0]
+    `out_dtype` (fp32 or bf16); b may come already encoded, as `encode_rows(b, rows)`. The GPU's row-scaled
+    GEMM writes bf16, so there fp32 is its output widened and bf16 its output itself (no fp32 round trip);
+    the CPU's fp32 sums are rounded once for bf16."""
+    m = a.shape[0]
     aq, sa = rows(a)
-    bq, sb = rows(b)
+    bq, sb, n = b if isinstance(b, tuple) else encode_rows(b, rows)
     if a.is_cuda:  # row-wise scaled e4m3 GEMM (cuBLASLt), bf16 out; b column-major as it wants
         out = torch._scaled_mm(aq, bq.T, scale_a=sa, scale_b=sb.T, out_dtype=torch.bfloat16)
     else:  # the same operands, fixed-order fp32 (MKL's order depends on buffer alignment: resumes would drift)
@@ -132,18 +133,30 @@ def _fp8_mm(a: torch.Tensor, b: torch.Tensor, rows=e4m3_rows, out_dtype: torch.d
     return out[:m, :n].to(out_dtype)
 
 
+def encode_rows(b: torch.Tensor, rows=e4m3_rows) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """An `_fp8_mm` operand encoded once, for several products: (e4m3 rows, scales, b's row count)."""
+    return *rows(b), b.shape[0]
+
+
 def fp8_recipe(g2: torch.Tensor, x2: torch.Tensor | None, w, xq: NVFP4Tensor | None, need_x: bool, need_w: bool,
-               dequantize=nvfp4.dequantize, rows=e4m3_rows, x_dtype: torch.dtype = torch.float32):
+               dequantize=nvfp4.dequantize, rows=e4m3_rows, x_dtype: torch.dtype = torch.float32,
+               shared: dict | None = None):
     """dgrad = g @ deq(W) and wgrad = g.T @ deq(Q(x)) (plain weights: W and x) with both operands of each
     product in e4m3, per-row scales along the inner dimension (`rows`: `e4m3_rows` or its kernel, which
     reads the transposed views below in place). Returns (grad_x, grad_w), None where not needed: grad_w in
-    fp32, grad_x in bf16 when `x_dtype` is bf16 (the activations' gradient, straight from the GEMM), else fp32."""
+    fp32, grad_x in bf16 when `x_dtype` is bf16 (the activations' gradient, straight from the GEMM), else fp32.
+    `shared`: a dict kept across the weights of one input (q/k/v, gate/up), so that x's operand is encoded once."""
     if isinstance(w, NVFP4Tensor):
         wd = dequantize(w, torch.bfloat16) if need_x else None
-        xd = dequantize(xq, torch.bfloat16) if need_w else None
     else:
-        wd, xd = w, x2
+        wd = w
     gx_dtype = torch.bfloat16 if x_dtype == torch.bfloat16 else torch.float32
     grad_x = _fp8_mm(g2, wd.T, rows, gx_dtype) if need_x else None  # [M, N] @ [N, K]: rows of W^T along N
-    grad_w = _fp8_mm(g2.T, xd.T, rows) if need_w else None  # [N, M] @ [M, K]: along M
+    grad_w = None
+    if need_w:  # [N, M] @ [M, K]: along M
+        shared = {} if shared is None else shared
+        if "x_rows" not in shared:
+            xd = dequantize(xq, torch.bfloat16) if isinstance(w, NVFP4Tensor) else x2
+            shared["x_rows"] = encode_rows(xd.T, rows)
+        grad_w = _fp8_mm(g2.T, shared["x_rows"], rows)
     return grad_x, grad_w

@@ -187,11 +187,11 @@ class _Linears(torch.autograd.Function):
         need_x = ctx.needs_input_grad[0]
         x2 = x.reshape(-1, x.shape[-1]) if x is not None else None
         grad_x, grad_ws, grad_bs = None, [], []
-        deq = _dequantizer(ctx.backend, ctx.xq)
+        deq, shared = _dequantizer(ctx.backend, ctx.xq), {}
         for i, (w, w_tensor, grad_out) in enumerate(zip(ctx.ws, w_tensors, grad_outs)):
             need_w = w_tensor is not None and ctx.needs_input_grad[7 + i]
             g2 = grad_out.reshape(-1, grad_out.shape[-1])
-            gx, gw = _linear_grads(ctx, g2, x2, w, w_tensor, need_x, need_w, deq)
+            gx, gw = _linear_grads(ctx, g2, x2, w, w_tensor, need_x, need_w, deq, shared)
             if need_x:
                 gx = gx.reshape(ctx.x_shape).to(ctx.x_dtype)
                 grad_x = gx if grad_x is None else grad_x + gx  # the weights' order: fixed
@@ -202,15 +202,16 @@ class _Linears(torch.autograd.Function):
         return grad_x, None, None, None, None, None, None, *grad_ws, *grad_bs
 
 
-def _linear_grads(ctx, g2, x2, w, w_tensor, need_x: bool, need_w: bool, deq):
-    """(grad_x, grad_w) of one weight by the recipe `ctx.bwd` (`minite_core.backward`); `deq`: the dequantize."""
+def _linear_grads(ctx, g2, x2, w, w_tensor, need_x: bool, need_w: bool, deq, shared: dict):
+    """(grad_x, grad_w) of one weight by the recipe `ctx.bwd` (`minite_core.backward`); `deq`: the dequantize;
+    `shared`: what the weights of one `linears` call compute once (fp8: x's e4m3 operand)."""
     if ctx.bwd == "nvfp4" and isinstance(w, NVFP4Tensor):
         return bwd.nvfp4_recipe(g2.float(), x2, w)
     if ctx.bwd == "fp8":
         rows = bwd.e4m3_rows
         if resolve_backend(ctx.backend) == "triton":
             from .kernels.fp8 import e4m3_rows_triton as rows
-        return bwd.fp8_recipe(g2, x2, w, ctx.xq, need_x, need_w, deq, rows, ctx.x_dtype)
+        return bwd.fp8_recipe(g2, x2, w, ctx.xq, need_x, need_w, deq, rows, ctx.x_dtype, shared)
     if g2.is_cuda:
         return bwd.ste_cuda(g2, x2, w, ctx.xq, ctx.x_dtype if need_x else None, w_tensor.dtype if need_w else None, deq)
     return bwd.ste_cpu(g2.float(), x2, w, ctx.xq)  # CPU: the fixed-order fp32 path (reproducible resumes)

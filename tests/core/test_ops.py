@@ -323,10 +323,11 @@ def test_linear_empty_batch(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("wkind", ["nvfp4-tensor", "nvfp4-row", "bf16"])
-def test_linears_equal_separate_linears(backend, wkind):
+@pytest.mark.parametrize("recipe", ["ste", "fp8"])
+def test_linears_equal_separate_linears(backend, wkind, recipe):
     """q/k/v in one call (one activation quantize, one GEMM launch on the triton backend): the bits of three
     `linear` calls, for an M on each tile path; the gradients those calls give (autograd sums the three
-    dgrads in some order: to fp32 rounding)."""
+    dgrads in some order: to fp32 rounding), by each backward recipe (fp8: x's e4m3 operand encoded once)."""
     k = 96 if DEVICE == "cpu" else 1024
     widths = (40, 24, 24) if DEVICE == "cpu" else (2048, 1024, 1024)
     masters = [_rand(n, k, seed=70 + i) * 0.1 for i, n in enumerate(widths)]
@@ -346,11 +347,11 @@ def test_linears_equal_separate_linears(backend, wkind):
     def args(i, j):  # a plain weight is the master's cast (autograd's path); an NVFP4 one takes it as master
         return (leaves[i][j].to(torch.bfloat16), None) if plain else (ws[j], leaves[i][j])
     outs = ops.linears(xs[0], [args(0, j)[0] for j in range(3)], masters=[args(0, j)[1] for j in range(3)],
-                       backend=backend)
+                       backend=backend, backward=recipe)
     torch.autograd.backward(outs, gs)
     for j in range(3):
         w, master = args(1, j)
-        ops.linear(xs[1], w, master=master, backend=backend).backward(gs[j])
+        ops.linear(xs[1], w, master=master, backend=backend, backward=recipe).backward(gs[j])
     for a, b in zip(leaves[0], leaves[1]):
         assert torch.equal(a.grad, b.grad)
     assert torch.allclose(xs[0].grad.float(), xs[1].grad.float(), rtol=2**-7, atol=1e-6)
