@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device session: the GPU tests of the kernels and engines, then the benchmarks, logs under $OUT.
-#   bash bench/gpu_session.sh [tests] [rollout] [learner] [attention] [gemm] [gemm-bits]   (default: all but gemm-bits)
+#   bash bench/gpu_session.sh [tests] [rollout] [learner] [attention] [gemm] [gemm-bits] [learner-cap] [rollout-cap]
+#   (default: all but gemm-bits and the caps; learner-cap / rollout-cap: MINITE_MAX_K_CHUNKS=$CAP, default 1)
 # gemm-bits: bench/gemm.py again with the element-wise FP4 decode (MINITE_FP4_DECODE=bits), for the word decode's gain.
 # ROLLOUT_ARGS / LEARNER_ARGS / GEMM_ARGS override the benchmarks' arguments, ROLLOUT_TIMEOUT / LEARNER_TIMEOUT
 # their time limits (s). A summary table comes last.
@@ -43,6 +44,13 @@ for p in $parts; do
              --json "$OUT/rollout.json" 2>&1 | tee "$OUT/rollout.txt" | tail -30 ;;
     learner) timeout ${LEARNER_TIMEOUT:-300} python3 bench/learner.py ${LEARNER_ARGS:---steps 5 --backward fp8} 2>&1 \
              | tee "$OUT/learner.txt" | tail -30 ;;
+    # the W4A4 GEMM with its K chunks capped at CAP (MINITE_MAX_K_CHUNKS; other bits, the same in both engines):
+    # the learner's wide tiles against the decode's occupancy, end to end (NVFP4 rows only; BF16 in-run baseline)
+    learner-cap) MINITE_MAX_K_CHUNKS=${CAP:-1} timeout ${LEARNER_TIMEOUT:-300} python3 bench/learner.py \
+             ${LEARNER_CAP_ARGS:---config 0.6b --steps 4 --skip-hf} 2>&1 | tee "$OUT/learner_cap.txt" | tail -15 ;;
+    rollout-cap) MINITE_MAX_K_CHUNKS=${CAP:-1} timeout ${ROLLOUT_TIMEOUT:-420} python3 bench/rollout.py \
+             ${ROLLOUT_CAP_ARGS:---configs 0.6b --batches 16,64 --repeats 1 --peers minite-nvfp4,minite-bf16} 2>&1 \
+             | tee "$OUT/rollout_cap.txt" | tail -15 ;;
     attention) timeout 120 python3 bench/attention.py 2>&1 | tee "$OUT/attention.txt" | tail -20 ;;
     gemm) timeout 240 python3 bench/gemm.py ${GEMM_ARGS:---quick --chunks 1,2,4} --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.txt" | tail -40 ;;
     gemm-bits) MINITE_FP4_DECODE=bits timeout 240 python3 bench/gemm.py ${GEMM_ARGS:---quick} --json "$OUT/gemm_bits.json" 2>&1 \
@@ -59,6 +67,8 @@ echo "== summary"
 [ -f "$OUT/learner.txt" ] && grep -E '^NVFP4 / (BF16|HF)' "$OUT/learner.txt" | sed 's/^/learner:  /'
 [ -f "$OUT/learner.txt" ] && grep -E '^--- .*GPU busy' "$OUT/learner.txt" | sed 's/^--- /profile:  /'
 [ -f "$OUT/rollout.txt" ] && grep -E 'minite-nvfp4 / ' "$OUT/rollout.txt" | sed 's/^/rollout:  /'
+[ -f "$OUT/learner_cap.txt" ] && grep -E '^NVFP4 / BF16' "$OUT/learner_cap.txt" | sed "s/^/learner, S <= ${CAP:-1}: /"
+[ -f "$OUT/rollout_cap.txt" ] && grep -E 'minite-nvfp4 / ' "$OUT/rollout_cap.txt" | sed "s/^/rollout, S <= ${CAP:-1}: /"
 [ -f "$OUT/gemm.txt" ] && grep -E '^ *[0-9]+ +[0-9]+ +(1|16|64|4096) ' "$OUT/gemm.txt" | awk -F'|' '{print "gemm:     N K M S =" $1 "w4a4 vs bf16 =" $(NF-1)}'
 [ -f "$OUT/gemm.txt" ] && grep -E '^quantize' "$OUT/gemm.txt" | sed 's/^/gemm:     /'
 [ -f "$OUT/gemm.txt" ] && grep -E '^decode ' "$OUT/gemm.txt" | sed 's/^/layer:    /'

@@ -601,6 +601,14 @@ SPLIT_K = True  # bench/gemm.py only: False runs the chunk walk in one program f
 # False: by `_combine_kernel` (the same additions; bench/gemm.py compares the two)
 COMBINE_IN_KERNEL = True
 CHUNKS_OVERRIDE: int | None = None  # bench/gemm.py only: time another S (other bits, the same for every M)
+# MINITE_MAX_K_CHUNKS (a power of two, read at import): S is capped there, for every (N, K), M and engine:
+# other bits than the default's, the same in the rollout and the learner (both import this module). The
+# device benchmarks set it to weigh the learner's wide tiles (fewest chunks) against the decode's occupancy.
+_MAX_CHUNKS_ENV = os.environ.get("MINITE_MAX_K_CHUNKS")
+if _MAX_CHUNKS_ENV is not None and not (_MAX_CHUNKS_ENV.isdigit() and int(_MAX_CHUNKS_ENV) > 0
+                                        and int(_MAX_CHUNKS_ENV) & (int(_MAX_CHUNKS_ENV) - 1) == 0):
+    raise ValueError(f"MINITE_MAX_K_CHUNKS={_MAX_CHUNKS_ENV!r}: set it to a power of two (1, 2, 4, ...)")
+MAX_CHUNKS: int | None = int(_MAX_CHUNKS_ENV) if _MAX_CHUNKS_ENV is not None else None
 
 
 def k_chunks(n: int, k: int) -> int:
@@ -613,7 +621,7 @@ def k_chunks(n: int, k: int) -> int:
         target, tile_n, block_k = CHUNK_TARGET_PROGRAMS, CHUNK_TILE_N, FP4_BLOCK_K
     steps = triton.cdiv(max(k, 1), block_k)
     s = 1
-    while triton.cdiv(n, tile_n) * s < target and steps % (2 * s) == 0:
+    while triton.cdiv(n, tile_n) * s < target and steps % (2 * s) == 0 and (MAX_CHUNKS is None or 2 * s <= MAX_CHUNKS):
         s *= 2
     return s
 

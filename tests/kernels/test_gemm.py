@@ -109,3 +109,27 @@ def test_tile_counters_grow_without_freeing_what_a_graph_may_address():
     assert big.numel() > small.numel() and not big.any()
     assert gemm.tile_counters(dev, 1) is big  # the newest serves every later launch
     assert any(b is small for bufs in gemm._COUNTERS.values() for b in bufs)  # the old one stays allocated
+
+
+def _k_chunks_in_process(env: dict, n: int, k: int):
+    """k_chunks(n, k) in a fresh interpreter with `env` (MINITE_MAX_K_CHUNKS is read at import)."""
+    import os
+    import subprocess
+    import sys
+    code = f"from minite_core.kernels import gemm; print(gemm.k_chunks({n}, {k}))"
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True)
+
+
+def test_max_k_chunks_caps_every_shape_and_rejects_bad_values():
+    """MINITE_MAX_K_CHUNKS caps S for every (N, K) in the process (both engines import the one module):
+    the benchmarks' way to weigh fewer chunks (the learner's wide tiles) against more (the decode's programs)."""
+    n, k = 64, 4096  # few column tiles, many K steps: a large S by default
+    default = gemm.k_chunks(n, k)
+    assert default >= 4
+    for cap in (1, 2, default * 2):
+        run = _k_chunks_in_process({"MINITE_MAX_K_CHUNKS": str(cap)}, n, k)
+        assert run.returncode == 0, run.stderr
+        assert int(run.stdout) == min(cap, default)
+    for bad in ("3", "0", "two", "-2"):
+        run = _k_chunks_in_process({"MINITE_MAX_K_CHUNKS": bad}, n, k)
+        assert run.returncode != 0 and "MINITE_MAX_K_CHUNKS" in run.stderr and "power of two" in run.stderr
