@@ -66,10 +66,10 @@ def without_kernels():
 _CPU_LINEAR_GRADS = ops._linear_grads
 
 
-def _gpu_linear_grads(ctx, g2, x2, w, w_tensor, need_x, need_w, deq):
+def _gpu_linear_grads(ctx, g2, x2, w, w_tensor, need_x, need_w, deq, shared):
     """`ops._linear_grads` as on a GPU: the straight-through recipe through `ste_cuda` (CPU tensors allowed)."""
     if ctx.bwd != "ste":
-        return _CPU_LINEAR_GRADS(ctx, g2, x2, w, w_tensor, need_x, need_w, deq)
+        return _CPU_LINEAR_GRADS(ctx, g2, x2, w, w_tensor, need_x, need_w, deq, shared)
     return bwd.ste_cuda(g2, x2, w, ctx.xq, ctx.x_dtype if need_x else None, w_tensor.dtype if need_w else None, deq)
 
 
