@@ -604,11 +604,17 @@ CHUNKS_OVERRIDE: int | None = None  # bench/gemm.py only: time another S (other 
 # MINITE_MAX_K_CHUNKS (a power of two, read at import): S is capped there, for every (N, K), M and engine:
 # other bits than the default's, the same in the rollout and the learner (both import this module). The
 # device benchmarks set it to weigh the learner's wide tiles (fewest chunks) against the decode's occupancy.
-_MAX_CHUNKS_ENV = os.environ.get("MINITE_MAX_K_CHUNKS")
-if _MAX_CHUNKS_ENV is not None and not (_MAX_CHUNKS_ENV.isdigit() and int(_MAX_CHUNKS_ENV) > 0
-                                        and int(_MAX_CHUNKS_ENV) & (int(_MAX_CHUNKS_ENV) - 1) == 0):
-    raise ValueError(f"MINITE_MAX_K_CHUNKS={_MAX_CHUNKS_ENV!r}: set it to a power of two (1, 2, 4, ...)")
-MAX_CHUNKS: int | None = int(_MAX_CHUNKS_ENV) if _MAX_CHUNKS_ENV is not None else None
+def _max_chunks_from_env() -> int | None:
+    value = os.environ.get("MINITE_MAX_K_CHUNKS")
+    if value is None:
+        return None
+    cap = int(value) if value.isdigit() else 0
+    if cap < 1 or cap & (cap - 1):
+        raise ValueError(f"MINITE_MAX_K_CHUNKS={value!r}: set it to a power of two (1, 2, 4, ...)")
+    return cap
+
+
+MAX_CHUNKS = _max_chunks_from_env()
 
 
 def k_chunks(n: int, k: int) -> int:
