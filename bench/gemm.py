@@ -205,10 +205,11 @@ def quantize_bandwidth() -> dict:
     dst = torch.empty_like(x)
     t_copy = bench(lambda: dst.copy_(x))
     t_q = bench(lambda: quantize_triton(x, None))
+    t_walk = bench(lambda: quantize_triton(x, None, whole_rows=False))  # the chunk walk (x read twice)
     copy_bytes = 2 * x.numel() * x.element_size()
     q_bytes = x.numel() * x.element_size() + x.numel() // 2 + x.numel() // 16 + 4 * x.shape[0]
     return {"copy_GBps": copy_bytes / t_copy / 1e9, "quantize_GBps": q_bytes / t_q / 1e9,
-            "ratio": (q_bytes / t_q) / (copy_bytes / t_copy)}
+            "ratio": (q_bytes / t_q) / (copy_bytes / t_copy), "walk_ratio": (q_bytes / t_walk) / (copy_bytes / t_copy)}
 
 
 SWEEP = [  # fixed configs to compare (BLOCK_K must stay 128: the K order is shared by all M buckets)
@@ -464,7 +465,8 @@ def main():
         if "minite-gemm-select-walk" in r:
             print(f"walk {r['N']:5d} {r['K']:5d} {r['M']:5d} {r['S']:2d} | gemm only {us(r['minite-gemm'])}us, with the select walk"
                   f" {us(r['minite-gemm-select-walk'])}us, same bits: {r['select-walk-same-bits']}")
-    print(f"\nquantize 8192x4096 bf16: {qbw['quantize_GBps']:.0f} GB/s vs copy {qbw['copy_GBps']:.0f} GB/s = {qbw['ratio']:.2f}")
+    print(f"\nquantize 8192x4096 bf16: {qbw['quantize_GBps']:.0f} GB/s vs copy {qbw['copy_GBps']:.0f} GB/s = {qbw['ratio']:.2f}"
+          f" (whole rows; the chunk walk: {qbw['walk_ratio']:.2f})")
     print("\nmodel    M | cuBLAS bf16 | minite bf16 | nvfp4 before | nvfp4 now | now vs before | now vs minite bf16 | with PDL: bf16, nvfp4 | nvfp4 x decoded | nvfp4 S = 1"
           " (a layer's linears)")
     for r in layer:

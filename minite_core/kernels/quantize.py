@@ -1,15 +1,19 @@
 """Fused NVFP4 activation quantize (Triton): fp32/bf16/fp16 rows -> packed E2M1 + E4M3 scales + global scale;
 and its inverse, `dequantize_triton`.
 
-One program takes one row. In row mode it first reduces the row's amax (a row-local max, so the
-result cannot depend on the batch) and writes the row's global scale amax / 2688; then it walks K in
-chunks of NB blocks held as an [NB, 16] tile and, per 16-element block, computes the block scale and the codes exactly as
-`minite_core.nvfp4.quantize` does: every division is IEEE round-to-nearest (`tl.div_rn`; a plain `/`
-may lower to an approximate division on the GPU), the E4M3 rounding of the block scale is done on the
-fp32 bits (no reliance on the target's fp8 conversion), and E2M1 rounding counts thresholds with ties
-to even. The output is bit-identical to the torch backend, which tests check on CPU (interpreter)
-and GPU. `quantize_many_triton` runs the same row walk (`quantize_row`) over the rows of many tensors in one
-launch, each with its own global scale (the learner's re-quantize of all its weights).
+With per-row global scales and rows of at most ROW_TILE_MAX values (every activation of the Qwen3
+configs), a program holds ROWS whole rows in registers as a [ROWS, BLOCK] tile (`row_tile`, a function of K
+only): it reads them once, reduces each row's amax (a row-local max, so the result cannot depend on the
+batch), writes the row's global scale amax / 2688, and computes every block's scale and codes from the
+same registers (`quantize_rows`; the RMSNorm and SiLU * up kernels quantize their outputs through it).
+Longer rows, or a given global scale, are walked in chunks of NB blocks held as an [NB, 16] tile, one
+row per program (an amax pass first in row mode). Either way, per 16-element block, the block scale and
+the codes are computed exactly as `minite_core.nvfp4.quantize` does: every division is IEEE
+round-to-nearest (`tl.div_rn`; a plain `/` may lower to an approximate division on the GPU), the E4M3
+rounding of the block scale is done on the fp32 bits (no reliance on the target's fp8 conversion), and
+E2M1 rounding counts thresholds with ties to even. The output is bit-identical to the torch backend,
+which tests check on CPU (interpreter) and GPU. `quantize_many_triton` runs the chunk walk
+(`quantize_row`) over the rows of many tensors in one launch, each with its own global scale (the learner's re-quantize of all its weights).
 
 Dequantize decodes with the GEMM's own decode (`gemm.load_decode_step`: code * block scale, exact in fp16),
 then multiplies by the global scale in fp32 and rounds once to the output dtype: `nvfp4.dequantize`'s
@@ -77,6 +81,38 @@ def quantize_blocks(x, gs, inv_gs):
     v = x * tl.div_rn(inv_gs, s32)[:, None]  # |v| <= 6 up to the E4M3 rounding of s: e2m1_round saturates
     even, odd = tl.split(tl.reshape(e2m1_round(v), [x.shape[0], 8, 2]))
     return even | (odd << 4), s_code
+
+
+@triton.jit
+def quantize_rows(v, rows64, row_ok, N, Q, QS, QGS, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """NVFP4 of whole rows held in a tile, v [ROWS, BLOCK] fp32 (zeros past N, N a multiple of 16), with per-row
+    global scales: packed bytes to Q [R, N/2], scale bytes to QS [R, N/16], global scales to QGS [R]. Only
+    maxima and elementwise operations (`quantize_blocks`): the bits of the chunk walk (`quantize_row`) of the
+    same rows."""
+    gs = row_global_scale(tl.max(tl.abs(v), axis=1))
+    tl.store(QGS + rows64, gs, mask=row_ok)
+    gsb = tl.reshape(tl.broadcast_to(gs[:, None], [ROWS, BLOCK // 16]), [ROWS * (BLOCK // 16)])
+    packed, s_code = quantize_blocks(tl.reshape(v, [ROWS * (BLOCK // 16), 16]), gsb, tl.div_rn(tl.zeros_like(gsb) + 1.0, gsb))
+    c8 = tl.arange(0, BLOCK // 2)
+    c16 = tl.arange(0, BLOCK // 16)
+    tl.store(Q + rows64[:, None] * (N // 2) + c8[None, :], tl.reshape(packed, [ROWS, BLOCK // 2]),
+             mask=row_ok[:, None] & (c8 < N // 2)[None, :])
+    tl.store(QS + rows64[:, None] * (N // 16) + c16[None, :], tl.reshape(s_code, [ROWS, BLOCK // 16]),
+             mask=row_ok[:, None] & (c16 < N // 16)[None, :])
+
+
+@triton.jit
+def _quantize_rows_kernel(X, Q, QS, QGS, R, K, sx, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """ROWS whole rows per program, each read once into a [ROWS, BLOCK] tile (`row_tile`), then
+    `quantize_rows`: the row's amax and its codes from the same registers (the chunk walk reads x twice)."""
+    if PDL:  # first: before any global memory access (kernels/pdl.py)
+        pdl.prologue()
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    row_ok = rows < R
+    rows64 = rows.to(tl.int64)
+    v = tl.load(X + rows64[:, None] * sx + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
+    quantize_rows(v.to(tl.float32), rows64, row_ok, K, Q, QS, QGS, ROWS, BLOCK)
 
 
 @triton.jit
@@ -165,6 +201,21 @@ def _quantize_many_kernel(meta_ptr, row_tensor_ptr, gs_ptr, XDT: tl.constexpr, N
     quantize_row(x_row, d_row, s_row, k, gs, inv_gs, NB, False)
 
 
+ROW_TILE_MAX = 16384  # rows up to this long sit whole in one program's registers (<= 32 fp32 a thread at 16 warps)
+
+
+def row_tile(n: int) -> tuple[int, int, int]:
+    """(ROWS, BLOCK, num_warps) of a program that holds ROWS whole rows of n (n <= ROW_TILE_MAX) as a [ROWS, BLOCK]
+    tile, BLOCK = next_power_of_two(n): a function of n only (never of the row count), shared by the row
+    kernels (RMSNorm, SiLU * up, the quantize)."""
+    block = triton.next_power_of_2(n)
+    if interpreting():
+        return 4, block, 4
+    rows = max(1, min(16, 2048 // block))
+    tile = rows * block
+    return rows, block, 4 if tile <= 2048 else 8 if tile <= 8192 else 16
+
+
 def nvfp4_buffers(r: int, k: int, device, row_scales: bool = True) -> tuple:
     """Empty packed bytes [r, k/2], E4M3 scale bytes [r, k/16] and per-row global scales [r] (fp32; None
     without `row_scales`) for r rows of k values: what the quantize kernels write (`as_nvfp4` wraps them)."""
@@ -182,8 +233,9 @@ def as_nvfp4(parts: tuple, shape: tuple, global_scale: torch.Tensor | None = Non
                        gs.reshape(lead + (1,)) if global_scale is None else global_scale, tuple(shape))
 
 
-def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None) -> NVFP4Tensor:
-    """Quantize x [..., K] with per-row global scales (global_scale None) or a given scalar/[.., 1] one."""
+def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None, whole_rows: bool = True) -> NVFP4Tensor:
+    """Quantize x [..., K] with per-row global scales (global_scale None) or a given scalar/[.., 1] one.
+    `whole_rows` False: the chunk walk even where a row fits one tile (the same bits; bench/gemm.py times both)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -194,6 +246,12 @@ def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None) -> NVFP4
     if global_scale is not None:
         gs = global_scale.reshape(-1).contiguous()
         stride_gs = 0 if gs.numel() == 1 else 1
+    if whole_rows and global_scale is None and k <= ROW_TILE_MAX:
+        if r:
+            rows, block, warps = row_tile(k)
+            _quantize_rows_kernel[(triton.cdiv(r, rows),)](x2, data, scale, gs, r, k, x2.stride(0), ROWS=rows, BLOCK=block,
+                                                           num_warps=warps, **pdl.launch(x.device))
+        return as_nvfp4((data, scale, gs), tuple(x.shape))
     nb = min(64, triton.next_power_of_2(k // BLOCK))
     if r:
         _quantize_kernel[(r,)](

@@ -36,8 +36,8 @@ Fused for the decode step (one launch instead of a chain; the same arithmetic, t
 RMSNorm with the residual add in front (`delta`: s = x + delta rounded to x's dtype, as torch adds, written
 out as the new residual stream) and/or the NVFP4 quantize of its output behind (`quantize_rows`, the
 quantize kernel's `quantize_blocks`: maxima and elementwise operations only, so the bits of
-`quantize_triton(y)`); SiLU * up with the quantize of its output (a row per program, two walks over the
-row: amax, then values and codes). The q/k norm + RoPE fusion is `kernels/qk_norm_rope.py`, built from
+`quantize_triton(y)`); SiLU * up with the quantize of its output (whole rows in one tile, as the norm;
+rows longer than ROW_TILE_MAX: a row per program, two walks over it, amax then values and codes). The q/k norm + RoPE fusion is `kernels/qk_norm_rope.py`, built from
 this module's helpers (`rms_rstd`, `rms_scale`, `rope_rotate`) and backward kernels.
 
 Every rounding to the output dtype goes through `round_to`: the interpreter's fp32 -> bf16 cast truncates
@@ -56,7 +56,7 @@ import triton.language as tl
 from ..nvfp4 import BLOCK as QBLOCK
 from . import pdl
 from .gemm import interpreting
-from .quantize import nvfp4_buffers, quantize_blocks, row_global_scale
+from .quantize import ROW_TILE_MAX, nvfp4_buffers, quantize_blocks, quantize_rows, row_global_scale, row_tile
 
 
 @triton.jit
@@ -113,23 +113,6 @@ def _rms_norm_fwd_kernel(X, W, Y, RSTD, Q, QS, QGS, DELTA, XS, R, N, sx, sy, sd,
 
 
 @triton.jit
-def quantize_rows(v, rows64, row_ok, N, Q, QS, QGS, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """NVFP4 of whole rows held in a tile, v [ROWS, BLOCK] fp32 (zeros past N, N a multiple of 16), with per-row
-    global scales: packed bytes to Q [R, N/2], scale bytes to QS [R, N/16], global scales to QGS [R]. Only
-    maxima and elementwise operations (`quantize_blocks`): the bits of `quantize_triton` of the same rows."""
-    gs = row_global_scale(tl.max(tl.abs(v), axis=1))
-    tl.store(QGS + rows64, gs, mask=row_ok)
-    gsb = tl.reshape(tl.broadcast_to(gs[:, None], [ROWS, BLOCK // 16]), [ROWS * (BLOCK // 16)])
-    packed, s_code = quantize_blocks(tl.reshape(v, [ROWS * (BLOCK // 16), 16]), gsb, tl.div_rn(tl.zeros_like(gsb) + 1.0, gsb))
-    c8 = tl.arange(0, BLOCK // 2)
-    c16 = tl.arange(0, BLOCK // 16)
-    tl.store(Q + rows64[:, None] * (N // 2) + c8[None, :], tl.reshape(packed, [ROWS, BLOCK // 2]),
-             mask=row_ok[:, None] & (c8 < N // 2)[None, :])
-    tl.store(QS + rows64[:, None] * (N // 16) + c16[None, :], tl.reshape(s_code, [ROWS, BLOCK // 16]),
-             mask=row_ok[:, None] & (c16 < N // 16)[None, :])
-
-
-@triton.jit
 def _rms_norm_bwd_kernel(X, W, G, RSTD, DX, DW, R, N, sx, sg, sdx, nf, TILES,
                          ROWS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
@@ -154,16 +137,6 @@ def _rms_norm_bwd_kernel(X, W, G, RSTD, DX, DW, R, N, sx, sg, sdx, nf, TILES,
     tl.store(DW + pid.to(tl.int64) * N + cols, dw, mask=col_ok)
 
 
-def rms_norm_config(n: int) -> tuple[int, int, int]:
-    """(ROWS, BLOCK, num_warps) for feature size n: a function of n only (never of the row count)."""
-    block = triton.next_power_of_2(n)
-    if interpreting():
-        return 4, block, 4
-    rows = max(1, min(16, 2048 // block))
-    tile = rows * block
-    return rows, block, 4 if tile <= 2048 else 8 if tile <= 8192 else 16
-
-
 def _rows2d(t: torch.Tensor) -> torch.Tensor:
     t2 = t.reshape(-1, t.shape[-1])
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
@@ -183,7 +156,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize
     d2 = _rows2d(delta) if delta is not None else None
     xs = torch.empty(r, n, device=x.device, dtype=x.dtype) if delta is not None else None
     if r and n:
-        rows, block, warps = rms_norm_config(n)
+        rows, block, warps = row_tile(n)
         _rms_norm_fwd_kernel[(triton.cdiv(r, rows),)](
             x2, w, y, rstd, *(q or (y, y, y)), d2 if d2 is not None else x2, xs if xs is not None else y, r, n,
             x2.stride(0), y.stride(0), d2.stride(0) if d2 is not None else 0, float(n), float(eps),
@@ -204,7 +177,7 @@ def rms_norm_backward(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rs
     x2, g2 = _rows2d(x), _rows2d(g)
     r, n = x2.shape
     dx = torch.empty(r, n, device=x.device, dtype=x.dtype)
-    rows, block, warps = rms_norm_config(n)
+    rows, block, warps = row_tile(n)
     tiles = triton.cdiv(r, rows)
     per = triton.cdiv(tiles, _programs_cap(x.device)) if tiles else 1
     programs = triton.cdiv(tiles, per)
@@ -276,8 +249,28 @@ def _silu_mul_chunk(GATE, UP, base, offs, N, EVEN: tl.constexpr, dtype: tl.const
 
 
 @triton.jit
+def _silu_mul_quantize_rows_kernel(GATE, UP, OUT, Q, QS, QGS, R, N, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                                   PDL: tl.constexpr):
+    """ROWS whole rows per program (contiguous rows of N <= ROW_TILE_MAX, a multiple of 16; `row_tile`): out =
+    silu(gate) * up as the elementwise kernel, read and computed once, written, and quantized from the same
+    registers (`quantize_rows`)."""
+    if PDL:  # first: before any global memory access (kernels/pdl.py)
+        pdl.prologue()
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    row_ok = rows < R
+    rows64 = rows.to(tl.int64)
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    offs = rows64[:, None] * N + cols[None, :]
+    out = silu_mul_value(tl.load(GATE + offs, mask=mask, other=0.0), tl.load(UP + offs, mask=mask, other=0.0),
+                         OUT.dtype.element_ty)
+    tl.store(OUT + offs, out, mask=mask)
+    quantize_rows(out.to(tl.float32), rows64, row_ok, N, Q, QS, QGS, ROWS, BLOCK)
+
+
+@triton.jit
 def _silu_mul_quantize_kernel(GATE, UP, OUT, Q, QS, QGS, N, NB: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
-    """One row per program (contiguous rows of N, a multiple of 16): out = silu(gate) * up as the elementwise
+    """Rows longer than ROW_TILE_MAX: one row per program (contiguous rows of N, a multiple of 16): out = silu(gate) * up as the elementwise
     kernel, and out's NVFP4 with a per-row global scale: a first walk over the row's chunks of NB blocks for
     the row's max |out|, a second that writes out and quantizes it (`quantize_blocks`), computing out again
     (the same elementwise operations, so the same values) instead of reading it back."""
@@ -338,7 +331,11 @@ def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, quantize: bool = Fals
     n = gate.shape[-1]
     r = gate.numel() // n if n else 0
     q = nvfp4_buffers(r, n, gate.device)
-    if r and n:
+    if r and n and n <= ROW_TILE_MAX:
+        rows, block, warps = row_tile(n)
+        _silu_mul_quantize_rows_kernel[(triton.cdiv(r, rows),)](gate, up, out, *q, r, n, ROWS=rows, BLOCK=block,
+                                                                num_warps=warps, **pdl.launch(gate.device))
+    elif r and n:
         nb = min(16 if interpreting() else 64, triton.next_power_of_2(n // QBLOCK))
         _silu_mul_quantize_kernel[(r,)](gate, up, out, *q, n, NB=nb, EVEN=n % (nb * QBLOCK) == 0, num_warps=4,
                                         **pdl.launch(gate.device))
