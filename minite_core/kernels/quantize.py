@@ -202,6 +202,10 @@ def _quantize_many_kernel(meta_ptr, row_tensor_ptr, gs_ptr, XDT: tl.constexpr, N
 
 
 ROW_TILE_MAX = 16384  # rows up to this long sit whole in one program's registers (<= 32 fp32 a thread at 16 warps)
+# The activation quantize (and SiLU * up's) with per-row scales: whole rows in one tile, or the chunk walk. The
+# walk reads x twice, yet on the H200 (2026-12-04, before `e2m1_round`) whole rows measured slower (0.26-0.37 of
+# copy bandwidth vs 0.35-0.38): the walk stays the default until bench/gemm.py, which times both, says otherwise.
+WHOLE_ROWS = False
 
 
 def row_tile(n: int) -> tuple[int, int, int]:
@@ -233,9 +237,10 @@ def as_nvfp4(parts: tuple, shape: tuple, global_scale: torch.Tensor | None = Non
                        gs.reshape(lead + (1,)) if global_scale is None else global_scale, tuple(shape))
 
 
-def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None, whole_rows: bool = True) -> NVFP4Tensor:
+def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None, whole_rows: bool = WHOLE_ROWS) -> NVFP4Tensor:
     """Quantize x [..., K] with per-row global scales (global_scale None) or a given scalar/[.., 1] one.
-    `whole_rows` False: the chunk walk even where a row fits one tile (the same bits; bench/gemm.py times both)."""
+    `whole_rows`: rows up to ROW_TILE_MAX read once into one tile (`quantize_rows`) instead of walked in chunks
+    (the same bits; see WHOLE_ROWS)."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:

@@ -36,8 +36,8 @@ Fused for the decode step (one launch instead of a chain; the same arithmetic, t
 RMSNorm with the residual add in front (`delta`: s = x + delta rounded to x's dtype, as torch adds, written
 out as the new residual stream) and/or the NVFP4 quantize of its output behind (`quantize_rows`, the
 quantize kernel's `quantize_blocks`: maxima and elementwise operations only, so the bits of
-`quantize_triton(y)`); SiLU * up with the quantize of its output (whole rows in one tile, as the norm;
-rows longer than ROW_TILE_MAX: a row per program, two walks over it, amax then values and codes). The q/k norm + RoPE fusion is `kernels/qk_norm_rope.py`, built from
+`quantize_triton(y)`); SiLU * up with the quantize of its output (a row per program, two walks over it, amax then values and
+codes; or, `whole_rows`, the row once in one tile as the norm). The q/k norm + RoPE fusion is `kernels/qk_norm_rope.py`, built from
 this module's helpers (`rms_rstd`, `rms_scale`, `rope_rotate`) and backward kernels.
 
 Every rounding to the output dtype goes through `round_to`: the interpreter's fp32 -> bf16 cast truncates
@@ -56,7 +56,7 @@ import triton.language as tl
 from ..nvfp4 import BLOCK as QBLOCK
 from . import pdl
 from .gemm import interpreting
-from .quantize import ROW_TILE_MAX, nvfp4_buffers, quantize_blocks, quantize_rows, row_global_scale, row_tile
+from .quantize import ROW_TILE_MAX, WHOLE_ROWS, nvfp4_buffers, quantize_blocks, quantize_rows, row_global_scale, row_tile
 
 
 @triton.jit
@@ -317,9 +317,11 @@ def _elementwise_block() -> int:
     return 256 if interpreting() else 1024
 
 
-def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False):
+def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False, whole_rows: bool = WHOLE_ROWS):
     """silu(gate) * up in fp32, rounded once to gate's dtype; with `quantize` -> (out, its NVFP4 with per-row
-    global scales as (packed, scale bytes, global scales)), the last dimension a multiple of 16."""
+    global scales as (packed, scale bytes, global scales)), the last dimension a multiple of 16. `whole_rows`:
+    rows up to ROW_TILE_MAX computed once in one tile instead of twice in a chunk walk (the same bits;
+    `quantize.WHOLE_ROWS`)."""
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)
     if not quantize:
@@ -331,7 +333,7 @@ def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, quantize: bool = Fals
     n = gate.shape[-1]
     r = gate.numel() // n if n else 0
     q = nvfp4_buffers(r, n, gate.device)
-    if r and n and n <= ROW_TILE_MAX:
+    if r and n and whole_rows and n <= ROW_TILE_MAX:
         rows, block, warps = row_tile(n)
         _silu_mul_quantize_rows_kernel[(triton.cdiv(r, rows),)](gate, up, out, *q, r, n, ROWS=rows, BLOCK=block,
                                                                 num_warps=warps, **pdl.launch(gate.device))

@@ -13,8 +13,8 @@ pytestmark = [pytest.mark.skipif(HAS_CUDA or not HAS_TRITON, reason="counts inte
 # quantize, gate/up GEMM, SiLU*up + quantize, down GEMM. BF16: no quantize launches.
 LAYER = {
     "nvfp4": Counter({"triton _rms_norm_fwd_kernel": 2, "triton _gemm_kernel": 4, "triton _qk_norm_rope_kernel": 1,
-                      "triton _attention_kernel": 1, "triton _combine_kernel": 1, "triton _quantize_rows_kernel": 1,
-                      "triton _silu_mul_quantize_rows_kernel": 1}),
+                      "triton _attention_kernel": 1, "triton _combine_kernel": 1, "triton _quantize_kernel": 1,
+                      "triton _silu_mul_quantize_kernel": 1}),
     "bf16": Counter({"triton _rms_norm_fwd_kernel": 2, "triton _gemm_kernel": 4, "triton _qk_norm_rope_kernel": 1,
                      "triton _attention_kernel": 1, "triton _combine_kernel": 1, "triton _silu_mul_fwd_kernel": 1}),
 }
@@ -35,8 +35,8 @@ def test_a_decode_layer_launches_one_kernel_per_fused_op(precision):
 # and of the 4 quantized inputs; AdamW in torch; re-quantize: one launch for all the weights, whatever the depth.
 LEARNER_LAYER = {
     "nvfp4": {"forward": Counter({"triton _rms_norm_fwd_kernel": 2, "triton _decode_kernel": 11, "triton _gemm_kernel": 4,
-                                  "triton _qk_norm_rope_kernel": 1, "triton _quantize_rows_kernel": 1,
-                                  "triton _silu_mul_quantize_rows_kernel": 1}),
+                                  "triton _qk_norm_rope_kernel": 1, "triton _quantize_kernel": 1,
+                                  "triton _silu_mul_quantize_kernel": 1}),
               "backward": Counter({"triton _dequantize_kernel": 11, "triton _rms_norm_bwd_kernel": 4,
                                    "triton _rope_kernel": 2, "triton _silu_mul_bwd_kernel": 1}),
               "adamw": Counter(), "requantize": Counter()},

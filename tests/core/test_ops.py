@@ -53,11 +53,11 @@ def test_triton_quantize_is_bit_exact_with_torch(dtype, rows, k, mode):
     assert _same_bits(got.data, ref.data)
     assert _same_bits(got.scale, ref.scale)
     assert _same_bits(got.global_scale, ref.global_scale)
-    if mode == "row":  # whole rows in one tile (K <= ROW_TILE_MAX) == the chunk walk, which longer rows take
-        from minite_core.kernels.quantize import quantize_triton
+    if mode == "row":  # the other layout of the same arithmetic: whole rows in one tile (K <= ROW_TILE_MAX) vs the walk
+        from minite_core.kernels.quantize import WHOLE_ROWS, quantize_triton
 
-        walk = quantize_triton(x, None, whole_rows=False)
-        assert all(_same_bits(a, b) for a, b in zip((walk.data, walk.scale, walk.global_scale),
+        other = quantize_triton(x, None, whole_rows=not WHOLE_ROWS)
+        assert all(_same_bits(a, b) for a, b in zip((other.data, other.scale, other.global_scale),
                                                     (got.data, got.scale, got.global_scale)))
 
 

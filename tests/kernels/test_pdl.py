@@ -11,9 +11,9 @@ from tests.sm90 import run_compile_script
 # every kernel of the decode step's chain takes PDL (a norm, the GEMMs, q/k norm + RoPE, attention, SiLU * up,
 # the activation quantize)
 DECODE_CHAIN = {f"minite_core.kernels.{k}" for k in (
-    "gemm._gemm_kernel", "rows._rms_norm_fwd_kernel", "rows._silu_mul_fwd_kernel", "rows._silu_mul_quantize_rows_kernel",
-    "quantize._quantize_rows_kernel", "qk_norm_rope._qk_norm_rope_kernel", "attention._attention_kernel",
-    "attention._combine_kernel")}
+    "gemm._gemm_kernel", "rows._rms_norm_fwd_kernel", "rows._silu_mul_fwd_kernel", "rows._silu_mul_quantize_kernel",
+    "rows._silu_mul_quantize_rows_kernel", "quantize._quantize_kernel", "quantize._quantize_rows_kernel",
+    "qk_norm_rope._qk_norm_rope_kernel", "attention._attention_kernel", "attention._combine_kernel")}
 
 SCRIPT = r"""
 import importlib, json, pkgutil, re
