@@ -7,7 +7,9 @@ The miniTE step is the Trainer's: the policy forward with fp32 master weights (N
 masters' gradients through the straight-through backward), a token-mean loss on the completion
 logprobs (what GRPO's loss reduces to up to per-token weights), AdamW, then the masters re-quantized
 into the weights the rollout engine uses. HF: Qwen3ForCausalLM in bf16 with sdpa attention, AdamW,
-cross-entropy loss. All on the same random config. Tokens/s = batch * seq / median step seconds.
+cross-entropy loss. All on the same random config. Tokens/s = batch * seq / median step seconds. A second
+table splits each engine's step into phases (forward, backward, clip + AdamW, re-quantize) by CUDA events,
+in as many more steps; `--profile` adds one profiled step per engine: GPU time by kernel family.
 
 `--attention sdpa` runs miniTE's attention through torch SDPA (the misalignment knob) in both
 precisions, so the comparison isolates the linear layers; the aligned torch attention materializes
@@ -45,7 +47,40 @@ def time_steps(step, n: int) -> list[float]:
     return out
 
 
-def minite_step_fn(path: Path, precision: str, batch: int, seq: int, knobs: dict, backward: str = "ste"):
+class Phases:
+    """CUDA events at a step's phase boundaries (`mark(name)`: the phase that ends here): each phase's median
+    GPU-stream milliseconds over the steps recorded. The events sit in the stream, so a phase's time is from
+    the end of the previous phase's work to the end of its own, host waits included."""
+
+    def __init__(self):
+        self.steps: list[list[tuple[str, torch.cuda.Event]]] = []
+        self.on = False
+
+    def start(self) -> None:
+        if self.on:
+            self.steps.append([("", self._event())])
+
+    def mark(self, name: str) -> None:
+        if self.on:
+            self.steps[-1].append((name, self._event()))
+
+    @staticmethod
+    def _event() -> torch.cuda.Event:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def medians(self) -> dict:
+        torch.cuda.synchronize()
+        per = {}
+        for marks in self.steps:
+            for (_, a), (name, b) in zip(marks, marks[1:]):
+                per.setdefault(name, []).append(a.elapsed_time(b))
+        return {name: statistics.median(v) for name, v in per.items()}
+
+
+def minite_step_fn(path: Path, precision: str, batch: int, seq: int, knobs: dict, backward: str = "ste",
+                   phases: Phases | None = None):
     policy = load_model(path, precision=precision, backend="triton", device="cuda", knobs=knobs)
     policy.backward = backward  # the NVFP4 linears' gradient recipe (minite_core/backward.py)
     fp32 = load_model(path, precision="fp32", device="cuda")
@@ -57,13 +92,20 @@ def minite_step_fn(path: Path, precision: str, batch: int, seq: int, knobs: dict
     ids = torch.randint(0, policy.cfg.vocab_size, (batch, seq), generator=g).tolist()
     prompts, completions = [s[:1] for s in ids], [s[1:] for s in ids]
 
+    ph = phases or Phases()
+
     def step():
-        state.optimize(-torch.cat(state.logprobs(prompts, completions)).mean())
+        ph.start()
+        loss = -torch.cat(state.logprobs(prompts, completions)).mean()
+        ph.mark("forward")
+        state.optimize(loss, after_backward=lambda: ph.mark("backward"))
+        ph.mark("clip + AdamW")
         state.requantize()
+        ph.mark("re-quantize")
     return step
 
 
-def hf_step_fn(cfg: Qwen3Config, batch: int, seq: int):
+def hf_step_fn(cfg: Qwen3Config, batch: int, seq: int, phases: Phases | None = None):
     import transformers
     hf_cfg = transformers.Qwen3Config(**{k: v for k, v in cfg.to_hf().items() if k not in ("architectures", "dtype")})
     hf_cfg._attn_implementation = "sdpa"
@@ -72,12 +114,18 @@ def hf_step_fn(cfg: Qwen3Config, batch: int, seq: int):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
 
+    ph = phases or Phases()
+
     def step():
+        ph.start()
         loss = model(input_ids=ids, labels=ids).loss
+        ph.mark("forward")
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        ph.mark("backward")
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        ph.mark("clip + AdamW")
     return step
 
 
@@ -111,18 +159,20 @@ def main() -> None:
     cfg = make_config(args.config, args.seq)
     knobs = {"attention": "sdpa"} if args.attention == "sdpa" else {}
     tokens = args.batch * args.seq
-    rows = []
+    rows, phase_ms = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         path = random_checkpoint(Path(tmp) / "model", cfg)
-        runs = [(f"minite-{p}", lambda p=p: minite_step_fn(path, p, args.batch, args.seq, knobs)) for p in ("bf16", "nvfp4")]
-        runs += [(f"minite-nvfp4-{b}-bwd", lambda b=b: minite_step_fn(path, "nvfp4", args.batch, args.seq, knobs, b))
+        runs = [(f"minite-{p}", lambda ph, p=p: minite_step_fn(path, p, args.batch, args.seq, knobs, phases=ph))
+                for p in ("bf16", "nvfp4")]
+        runs += [(f"minite-nvfp4-{b}-bwd", lambda ph, b=b: minite_step_fn(path, "nvfp4", args.batch, args.seq, knobs, b, ph))
                  for b in args.backward.split(",") if b and b != "ste"]
         if not args.skip_hf:
-            runs.append(("hf-transformers-bf16", lambda: hf_step_fn(cfg, args.batch, args.seq)))
+            runs.append(("hf-transformers-bf16", lambda ph: hf_step_fn(cfg, args.batch, args.seq, ph)))
         for name, build in runs:
             try:
                 torch.cuda.reset_peak_memory_stats()
-                step = build()
+                ph = Phases()
+                step = build(ph)
                 times = time_steps(step, args.steps)
                 med = statistics.median(times)
                 rows.append((name, med, tokens / med, torch.cuda.max_memory_allocated() / 2**30))
@@ -131,6 +181,14 @@ def main() -> None:
                 print(f"{name}: FAILED {type(e).__name__}: {e}", file=sys.stderr)
                 torch.cuda.empty_cache()
                 continue
+            try:  # the phases, in steps of their own (the events' records stay out of the timed steps)
+                ph.on = True
+                for _ in range(args.steps):
+                    step()
+                phase_ms[name] = ph.medians()
+            except Exception as e:  # a failing phase split must not cost the timings either
+                print(f"{name}: phases FAILED {type(e).__name__}: {e}", file=sys.stderr)
+            ph.on = False
             if args.profile:
                 try:
                     profile(name, step, med)
@@ -143,6 +201,11 @@ def main() -> None:
     print(f"{'engine':24s} {'step s':>8s} {'tokens/s':>10s} {'peak GiB':>9s}")
     for name, med, tps, mem in rows:
         print(f"{name:24s} {med:8.3f} {tps:10.0f} {mem:9.1f}")
+    names = list(dict.fromkeys(n for ph in phase_ms.values() for n in ph))
+    print(f"\nphases (median GPU-stream ms of {args.steps} more steps, CUDA events; host waits inside a phase count)")
+    print(f"{'engine':24s} " + " ".join(f"{n:>14s}" for n in names))
+    for name, ph in phase_ms.items():
+        print(f"{name:24s} " + " ".join(f"{ph[n]:14.1f}" if n in ph else f"{'-':>14s}" for n in names))
     by = {r[0]: r[2] for r in rows}
     if by.get("minite-bf16"):
         print(f"NVFP4 / BF16 = {by['minite-nvfp4'] / by['minite-bf16']:.2f}x")
