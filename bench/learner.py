@@ -49,20 +49,21 @@ def time_steps(step, n: int) -> list[float]:
 
 class Phases:
     """CUDA events at a step's phase boundaries (`mark(name)`: the phase that ends here): each phase's median
-    GPU-stream milliseconds over the steps recorded. The events sit in the stream, so a phase's time is from
-    the end of the previous phase's work to the end of its own, host waits included."""
+    GPU-stream milliseconds over the steps recorded, and the host's (the time the host took to issue the
+    phase). The events sit in the stream, so a phase's GPU time is from the end of the previous phase's work
+    to the end of its own, host waits included: a phase whose host time is about its GPU time is host-bound."""
 
     def __init__(self):
-        self.steps: list[list[tuple[str, torch.cuda.Event]]] = []
+        self.steps: list[list[tuple[str, torch.cuda.Event, float]]] = []
         self.on = False
 
     def start(self) -> None:
         if self.on:
-            self.steps.append([("", self._event())])
+            self.steps.append([("", self._event(), time.perf_counter())])
 
     def mark(self, name: str) -> None:
         if self.on:
-            self.steps[-1].append((name, self._event()))
+            self.steps[-1].append((name, self._event(), time.perf_counter()))
 
     @staticmethod
     def _event() -> torch.cuda.Event:
@@ -71,12 +72,13 @@ class Phases:
         return e
 
     def medians(self) -> dict:
+        """phase -> (median GPU ms, median host ms)."""
         torch.cuda.synchronize()
         per = {}
         for marks in self.steps:
-            for (_, a), (name, b) in zip(marks, marks[1:]):
-                per.setdefault(name, []).append(a.elapsed_time(b))
-        return {name: statistics.median(v) for name, v in per.items()}
+            for (_, a, ta), (name, b, tb) in zip(marks, marks[1:]):
+                per.setdefault(name, []).append((a.elapsed_time(b), (tb - ta) * 1e3))
+        return {name: tuple(statistics.median(x) for x in zip(*v)) for name, v in per.items()}
 
 
 def minite_step_fn(path: Path, precision: str, batch: int, seq: int, knobs: dict, backward: str = "ste",
@@ -202,10 +204,11 @@ def main() -> None:
     for name, med, tps, mem in rows:
         print(f"{name:24s} {med:8.3f} {tps:10.0f} {mem:9.1f}")
     names = list(dict.fromkeys(n for ph in phase_ms.values() for n in ph))
-    print(f"\nphases (median GPU-stream ms of {args.steps} more steps, CUDA events; host waits inside a phase count)")
-    print(f"{'engine':24s} " + " ".join(f"{n:>14s}" for n in names))
+    print(f"\nphases, GPU ms (host ms): medians of {args.steps} more steps, CUDA events and the host's clock; a GPU phase"
+          " includes its waits for the host")
+    print(f"{'engine':24s} " + " ".join(f"{n:>16s}" for n in names))
     for name, ph in phase_ms.items():
-        print(f"{name:24s} " + " ".join(f"{ph[n]:14.1f}" if n in ph else f"{'-':>14s}" for n in names))
+        print(f"{name:24s} " + " ".join(f"{ph[n][0]:8.1f} ({ph[n][1]:5.1f})" if n in ph else f"{'-':>16s}" for n in names))
     by = {r[0]: r[2] for r in rows}
     if by.get("minite-bf16"):
         print(f"NVFP4 / BF16 = {by['minite-nvfp4'] / by['minite-bf16']:.2f}x")
