@@ -76,12 +76,17 @@ class NVFP4Tensor:
     data:         uint8 [..., K//2], element 2i in the low nibble, 2i+1 in the high nibble.
     scale:        float8_e4m3fn [..., K//16].
     global_scale: float32, decode convention; shape [] (per tensor) or [..., 1] (per row).
+    decoded:      optional, 2-D tensors only: fp16 code * block scale in the wide W4A4 tile's layout
+                  (`kernels.gemm.decode_nvfp4` at its FP4_BLOCK_K), written with the codes by the learner's
+                  re-quantize (`ops.quantize_weights(..., decoded=True)`) so that the GEMM does not decode the
+                  weight again at every call of its version; the same values the GEMM would decode.
     """
 
     data: torch.Tensor
     scale: torch.Tensor
     global_scale: torch.Tensor
     shape: torch.Size
+    decoded: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         self.shape = torch.Size(self.shape)
@@ -98,6 +103,10 @@ class NVFP4Tensor:
         gs = self.global_scale
         if gs.dtype != torch.float32 or not (gs.dim() == 0 or tuple(gs.shape) == lead + (1,)):
             raise ValueError(f"NVFP4Tensor.global_scale must be float32 [] or {lead + (1,)}, got {gs.dtype} {tuple(gs.shape)}")
+        if self.decoded is not None and (self.decoded.dtype != torch.float16 or self.decoded.dim() != 2
+                                         or len(self.shape) != 2 or self.decoded.shape[0] != self.shape[0]):
+            raise ValueError(f"NVFP4Tensor.decoded must be float16 [{self.shape[0]}, K padded], of a 2-D tensor, got "
+                             f"{self.decoded.dtype} {tuple(self.decoded.shape)} for shape {tuple(self.shape)}")
 
     @property
     def device(self) -> torch.device:

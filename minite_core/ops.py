@@ -80,13 +80,15 @@ def quantize(
     return quantize_triton(x.contiguous(), global_scale)
 
 
-def quantize_weights(tensors: list, *, backend: str | None = None) -> list:
+def quantize_weights(tensors: list, *, backend: str | None = None, decoded: bool = False) -> list:
     """Per-tensor-scale NVFP4 of many weights (the learner's re-quantize of its masters), the same bits
     as `quantize(t, scale_mode="tensor")` of each. Triton backend: the amaxes in one multi-tensor
     reduction (max |x| is exact, so the global scales are the same), all the weights in one kernel launch
     (`quantize_many_triton`), then one finiteness check and host sync for all of them (an amax is finite iff
     its tensor is; checked after the launch, so the GPU quantizes while the host waits): no `abs()` /
-    `isfinite()` copies of the weights, no sync and no launch per weight. Torch backend: `quantize` each."""
+    `isfinite()` copies of the weights, no sync and no launch per weight; `decoded`: the 2-D weights carry
+    their decoded form for the wide GEMM tiles (`NVFP4Tensor.decoded`), from the same launch. Torch
+    backend: `quantize` each (its GEMM reads the codes)."""
     backend = resolve_backend(backend)
     if backend == "torch" or not tensors:
         return [quantize(t, scale_mode="tensor", backend=backend) for t in tensors]
@@ -98,7 +100,7 @@ def quantize_weights(tensors: list, *, backend: str | None = None) -> list:
     if len({(t.dtype, t.device) for t in tensors}) > 1:
         raise ValueError("quantize_weights: the tensors must share one dtype and one device")
     amax = torch.stack([a.float() for a in torch._foreach_norm(list(tensors), float("inf"))])
-    out = quantize_many_triton([t.contiguous() for t in tensors], nvfp4.global_scale_from_amax(amax))
+    out = quantize_many_triton([t.contiguous() for t in tensors], nvfp4.global_scale_from_amax(amax), decoded)
     if not bool(torch.isfinite(amax).all()):
         bad = [i for i, ok in enumerate(torch.isfinite(amax).tolist()) if not ok]
         raise ValueError(f"tensors {bad} contain NaN or Inf values")

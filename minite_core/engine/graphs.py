@@ -46,6 +46,7 @@ def copy_weights_(dst: dict, src: dict) -> None:
             d.data.copy_(s.data)
             d.scale.copy_(s.scale)
             d.global_scale.copy_(s.global_scale)
+            d.decoded = None  # (clones carry none; a decoded form of the old codes would now be stale)
         else:
             d.copy_(s)
 

@@ -571,6 +571,12 @@ SWAP_CONFIGS = {  # BLOCK_M (the swapped MMA's N) -> the rest of the tile; BLOCK
     128: dict(BLOCK_N=64, num_warps=4, num_stages=3),  # 255 registers, no spill; 8 warps: 35 barriers per K step
 }
 FP4_BLOCK_K = 128  # the K order of every W4A4 config on the GPU (never per M)
+
+
+def fp4_block_k() -> int:
+    """The BLOCK_K of every W4A4 config here: FP4_BLOCK_K on the GPU, 64 under the interpreter (the CPU tests'
+    smaller tiles, `_tile_config`); also the step of a weight's `decoded` form that the GEMM reads."""
+    return 64 if interpreting() else FP4_BLOCK_K
 # M > SWAP_MAX_M (compute-bound: prefill, the learner): decode both operands once into fp16 (`decode_nvfp4`,
 # ~2.5 bytes per element read and written) and run the walk on them (`w4a4_tile` with DECODED): the same
 # values in the same dots, so the same bits, without the per-tile decode that holds the packed kernel to
@@ -750,8 +756,8 @@ def _launch(x, xd, segs: list, cfg: dict, fp4: bool):
         bias_arg = bias if has_bias else c
         if fp4:
             bgs, s_bgs = _flat_gs(w)
-            if decoded:
-                wd = decode_nvfp4(w, bk)
+            if decoded:  # the weight's own decoded form when its version carries one (the learner's weights)
+                wd = w.decoded if w.decoded is not None and bk == fp4_block_k() else decode_nvfp4(w, bk)
                 seg_args.append((wd, wd, bgs, s_bgs, bias_arg, c, w.shape[0]))
             else:
                 seg_args.append((w.data, w.scale.view(torch.uint8), bgs, s_bgs, bias_arg, c, w.shape[0]))

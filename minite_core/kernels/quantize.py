@@ -28,7 +28,7 @@ import triton.language as tl
 from .. import nvfp4
 from ..nvfp4 import BLOCK, NVFP4Tensor
 from . import pdl
-from .gemm import check_decode, interpreting, load_decode_step
+from .gemm import check_decode, e2m1_to_fp16, e4m3_to_fp16, fp4_block_k, interpreting, load_decode_step
 
 _E2M1_MAX = tl.constexpr(nvfp4.E2M1_MAX)
 _E4M3_MAX = tl.constexpr(nvfp4.E4M3_MAX)
@@ -70,16 +70,24 @@ def row_global_scale(amax):
 
 
 @triton.jit
-def quantize_blocks(x, gs, inv_gs):
+def quantize_codes(x, gs, inv_gs):
     """x [NB, 16] fp32 (blocks of 16), gs and inv_gs = 1 / gs [NB] fp32 (each block's global scale) ->
-    (packed E2M1 bytes [NB, 8] uint8, E4M3 block-scale bytes [NB] uint8), `nvfp4.quantize`'s arithmetic:
-    only maxima and elementwise IEEE operations, so the bits cannot depend on the tile they sit in."""
+    (E2M1 codes of the even elements [NB, 8] uint8, of the odd ones, E4M3 block-scale bytes [NB] uint8),
+    `nvfp4.quantize`'s arithmetic: only maxima and elementwise IEEE operations, so the bits cannot depend on
+    the tile they sit in."""
     bamax = tl.max(tl.abs(x), axis=1)
     s = tl.div_rn(tl.div_rn(bamax, _E2M1_MAX), gs)
     s = tl.minimum(tl.maximum(s, _E4M3_MIN), _E4M3_MAX)
     s_code, s32 = e4m3_round_bits(s)
     v = x * tl.div_rn(inv_gs, s32)[:, None]  # |v| <= 6 up to the E4M3 rounding of s: e2m1_round saturates
     even, odd = tl.split(tl.reshape(e2m1_round(v), [x.shape[0], 8, 2]))
+    return even, odd, s_code
+
+
+@triton.jit
+def quantize_blocks(x, gs, inv_gs):
+    """`quantize_codes`, packed: (E2M1 bytes [NB, 8] uint8, element 2i in the low nibble, E4M3 scale bytes [NB])."""
+    even, odd, s_code = quantize_codes(x, gs, inv_gs)
     return even | (odd << 4), s_code
 
 
@@ -116,8 +124,10 @@ def _quantize_rows_kernel(X, Q, QS, QGS, R, K, sx, ROWS: tl.constexpr, BLOCK: tl
 
 
 @triton.jit
-def _quantize_chunk(x_row, d_row, s_row, k0, K, gs, inv_gs, NB: tl.constexpr, MASKED: tl.constexpr):
-    """The NB blocks of a row from k0 (MASKED: those past K left out)."""
+def _quantize_chunk(x_row, d_row, s_row, o_row, k0, K, gs, inv_gs, NB: tl.constexpr, MASKED: tl.constexpr,
+                    DECODED: tl.constexpr, DBK: tl.constexpr):
+    """The NB blocks of a row from k0 (MASKED: those past K left out); DECODED: their fp16 code * block scale
+    to o_row too (`quantize_row`)."""
     blk = tl.arange(0, NB)
     offs16 = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
     offs8 = blk[:, None] * 8 + tl.arange(0, 8)[None, :]
@@ -125,30 +135,46 @@ def _quantize_chunk(x_row, d_row, s_row, k0, K, gs, inv_gs, NB: tl.constexpr, MA
         x = tl.load(x_row + k0 + offs16, mask=(k0 + offs16) < K, other=0.0).to(tl.float32)
     else:
         x = tl.load(x_row + k0 + offs16).to(tl.float32)
-    packed, s_code = quantize_blocks(x, gs, inv_gs)
+    even, odd, s_code = quantize_codes(x, gs, inv_gs)
+    packed = even | (odd << 4)
     if MASKED:
         tl.store(d_row + k0 // 2 + offs8, packed, mask=(k0 // 2 + offs8) < K // 2)
         tl.store(s_row + k0 // 16 + blk, s_code, mask=(k0 // 16 + blk) < K // 16)
     else:
         tl.store(d_row + k0 // 2 + offs8, packed)
         tl.store(s_row + k0 // 16 + blk, s_code)
+    if DECODED:  # with the GEMM's own decode (exact in fp16): the even codes of the block at kb go to the even
+        # half of its DBK step at (kb % DBK) / 2, its odd codes to the odd half
+        s16 = e4m3_to_fp16(s_code.to(tl.int16))[:, None]
+        kb = k0 + blk * 16  # each block's first element
+        offs = ((kb // DBK) * DBK + (kb % DBK) // 2)[:, None] + tl.arange(0, 8)[None, :]
+        de, do = e2m1_to_fp16(even.to(tl.int16)) * s16, e2m1_to_fp16(odd.to(tl.int16)) * s16
+        if MASKED:
+            tl.store(o_row + offs, de, mask=(kb < K)[:, None])
+            tl.store(o_row + offs + DBK // 2, do, mask=(kb < K)[:, None])
+        else:
+            tl.store(o_row + offs, de)
+            tl.store(o_row + offs + DBK // 2, do)
 
 
 @triton.jit
-def quantize_row(x_row, d_row, s_row, K, gs, inv_gs, NB: tl.constexpr, EVEN_K: tl.constexpr):
+def quantize_row(x_row, d_row, s_row, o_row, K, gs, inv_gs, NB: tl.constexpr, EVEN_K: tl.constexpr,
+                 DECODED: tl.constexpr, DBK: tl.constexpr):
     """The NVFP4 codes of one row of K values at x_row, walked in chunks of NB blocks held as an [NB, 16]
     tile: packed bytes to d_row, E4M3 scale bytes to s_row; gs and inv_gs = 1 / gs [NB], the row's global
     scale. The whole chunks without masks (so the loads and stores vectorize), then, unless EVEN_K (K a
-    multiple of NB * 16), the last part chunk with them."""
+    multiple of NB * 16), the last part chunk with them. DECODED: also the row as `gemm.decode_nvfp4(.., DBK)`
+    gives it (fp16 code * block scale in the wide tile's layout) to o_row (cdiv(K, DBK) * DBK values; those
+    past K are left as they are)."""
     if EVEN_K:
         for k0 in range(0, K, NB * 16):
-            _quantize_chunk(x_row, d_row, s_row, k0, K, gs, inv_gs, NB, False)
+            _quantize_chunk(x_row, d_row, s_row, o_row, k0, K, gs, inv_gs, NB, False, DECODED, DBK)
     else:
         whole = tl.multiple_of(K - K % (NB * 16), NB * 16)
         for k0 in range(0, whole, NB * 16):
-            _quantize_chunk(x_row, d_row, s_row, k0, K, gs, inv_gs, NB, False)
+            _quantize_chunk(x_row, d_row, s_row, o_row, k0, K, gs, inv_gs, NB, False, DECODED, DBK)
         if whole < K:
-            _quantize_chunk(x_row, d_row, s_row, whole, K, gs, inv_gs, NB, True)
+            _quantize_chunk(x_row, d_row, s_row, o_row, whole, K, gs, inv_gs, NB, True, DECODED, DBK)
 
 
 @triton.jit
@@ -178,17 +204,20 @@ def _quantize_kernel(
         gs = tl.load(gs_ptr + row * stride_gs)
     gs = gs + tl.zeros([NB], dtype=tl.float32)
     inv_gs = tl.div_rn(tl.zeros([NB], dtype=tl.float32) + 1.0, gs)
-    quantize_row(x_row, data_ptr + row * stride_data, scale_ptr + row * stride_scale, K, gs, inv_gs, NB, EVEN_K)
+    d_row = data_ptr + row * stride_data
+    quantize_row(x_row, d_row, scale_ptr + row * stride_scale, d_row, K, gs, inv_gs, NB, EVEN_K, False, 1)
 
 
 @triton.jit
-def _quantize_many_kernel(meta_ptr, row_tensor_ptr, gs_ptr, XDT: tl.constexpr, NB: tl.constexpr):
+def _quantize_many_kernel(meta_ptr, row_tensor_ptr, gs_ptr, XDT: tl.constexpr, NB: tl.constexpr, DECODED: tl.constexpr,
+                          DBK: tl.constexpr):
     """One program per row of many tensors, their rows numbered in tensor order: the row's tensor t
-    (row_tensor), t's x / packed / scale-byte addresses, K and first row (meta [n, 5] int64), and t's
-    global scale gs[t]; then `_quantize_kernel`'s walk over the row."""
+    (row_tensor), t's x / packed / scale-byte addresses, K, first row and decoded-output address (meta [n, 6]
+    int64), and t's global scale gs[t]; then `_quantize_kernel`'s walk over the row (DECODED: which also
+    writes the row's decoded form)."""
     row = tl.program_id(0).to(tl.int64)
     t = tl.load(row_tensor_ptr + row)
-    m = meta_ptr + t.to(tl.int64) * 5
+    m = meta_ptr + t.to(tl.int64) * 6
     k = tl.multiple_of(tl.load(m + 3), 16)  # (K % 16 == 0: the launcher checks)
     r = row - tl.load(m + 4)
     # row starts: x at r * K elements (K a multiple of 16) of a 16-byte aligned tensor, its packed bytes at
@@ -196,9 +225,10 @@ def _quantize_many_kernel(meta_ptr, row_tensor_ptr, gs_ptr, XDT: tl.constexpr, N
     x_row = tl.multiple_of(tl.load(m).to(tl.pointer_type(XDT)), 16) + tl.multiple_of(r * k, 16)
     d_row = tl.multiple_of(tl.load(m + 1).to(tl.pointer_type(tl.uint8)), 16) + tl.multiple_of(r * (k // 2), 8)
     s_row = tl.load(m + 2).to(tl.pointer_type(tl.uint8)) + r * (k // 16)
+    o_row = tl.load(m + 5).to(tl.pointer_type(tl.float16)) + r * ((k + DBK - 1) // DBK * DBK)
     gs = tl.load(gs_ptr + t) + tl.zeros([NB], dtype=tl.float32)
     inv_gs = tl.div_rn(tl.zeros([NB], dtype=tl.float32) + 1.0, gs)
-    quantize_row(x_row, d_row, s_row, k, gs, inv_gs, NB, False)
+    quantize_row(x_row, d_row, s_row, o_row, k, gs, inv_gs, NB, False, DECODED, DBK)
 
 
 ROW_TILE_MAX = 16384  # rows up to this long sit whole in one program's registers (<= 32 fp32 a thread at 16 warps)
@@ -228,13 +258,22 @@ def nvfp4_buffers(r: int, k: int, device, row_scales: bool = True) -> tuple:
             torch.empty(r, dtype=torch.float32, device=device) if row_scales else None)
 
 
-def as_nvfp4(parts: tuple, shape: tuple, global_scale: torch.Tensor | None = None) -> NVFP4Tensor:
+def decode_buffer(r: int, k: int, device) -> torch.Tensor:
+    """fp16 [r, cdiv(k, DBK) * DBK], DBK = `gemm.fp4_block_k()`, for the decoded form of r rows of k values
+    (`quantize_row`'s DECODED output): zeros past k, which the kernel does not write."""
+    dbk = fp4_block_k()
+    kp = triton.cdiv(k, dbk) * dbk
+    return (torch.empty if kp == k else torch.zeros)(r, kp, dtype=torch.float16, device=device)
+
+
+def as_nvfp4(parts: tuple, shape: tuple, global_scale: torch.Tensor | None = None,
+             decoded: torch.Tensor | None = None) -> NVFP4Tensor:
     """(packed, scale bytes, per-row global scales) of the rows of a tensor of `shape` -> its NVFP4Tensor;
-    `global_scale`: a given one instead of the per-row scales."""
+    `global_scale`: a given one instead of the per-row scales; `decoded`: its decoded form (2-D tensors)."""
     data, scale, gs = parts
     lead, k = tuple(shape[:-1]), shape[-1]
     return NVFP4Tensor(data.reshape(lead + (k // 2,)), scale.view(torch.float8_e4m3fn).reshape(lead + (k // BLOCK,)),
-                       gs.reshape(lead + (1,)) if global_scale is None else global_scale, tuple(shape))
+                       gs.reshape(lead + (1,)) if global_scale is None else global_scale, tuple(shape), decoded)
 
 
 def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None, whole_rows: bool = WHOLE_ROWS) -> NVFP4Tensor:
@@ -270,11 +309,12 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 _ROW_TENSOR: dict = {}  # (device, rows of each tensor) -> row -> tensor index, int32 (the learner's weights: one entry)
 
 
-def quantize_many_triton(tensors: list, global_scales: torch.Tensor) -> list[NVFP4Tensor]:
+def quantize_many_triton(tensors: list, global_scales: torch.Tensor, decoded: bool = False) -> list[NVFP4Tensor]:
     """[quantize_triton(t, global_scales[i]) for i, t in enumerate(tensors)] in one launch, the same bits (the
     same row walk over the same blocks): the learner's re-quantize of all its weights, which took a launch
     per weight. Each tensor [..., K] (K a multiple of 16), all of one dtype and device (at least one tensor);
-    global_scales [n]."""
+    global_scales [n]. `decoded`: each result carries its `decoded` form too (`gemm.decode_nvfp4`'s bits, from
+    the same launch), which the wide GEMM tiles read instead of decoding the weight at every call."""
     first = tensors[0]
     ts = [t.reshape(-1, t.shape[-1]) for t in tensors]
     if any(t.stride(-1) != 1 or (t.shape[0] > 1 and t.stride(0) != t.shape[1]) for t in ts):
@@ -283,11 +323,12 @@ def quantize_many_triton(tensors: list, global_scales: torch.Tensor) -> list[NVF
         raise ValueError(f"quantize_many_triton: tensors of one dtype and device, K a multiple of {BLOCK}")
     ts = [t if t.data_ptr() % 16 == 0 else t.clone() for t in ts]  # (the kernel's alignment hint; views may be off)
     outs = [nvfp4_buffers(t.shape[0], t.shape[1], t.device, row_scales=False)[:2] for t in ts]  # fresh: aligned
+    decs = [decode_buffer(t.shape[0], t.shape[1], t.device) if decoded else None for t in ts]
     rows = tuple(t.shape[0] for t in ts)
     total, start = sum(rows), 0
     meta = []
-    for t, (data, scale), n in zip(ts, outs, rows):
-        meta.append((t.data_ptr(), data.data_ptr(), scale.data_ptr(), t.shape[1], start))
+    for t, (data, scale), dec, n in zip(ts, outs, decs, rows):
+        meta.append((t.data_ptr(), data.data_ptr(), scale.data_ptr(), t.shape[1], start, dec.data_ptr() if decoded else 0))
         start += n
     if total:
         dev = first.device
@@ -302,9 +343,10 @@ def quantize_many_triton(tensors: list, global_scales: torch.Tensor) -> list[NVF
                                                        output_size=total)
         nb = min(64, triton.next_power_of_2(max(t.shape[1] for t in ts) // BLOCK))
         _quantize_many_kernel[(total,)](meta_t, _ROW_TENSOR[key], global_scales.reshape(-1).float().contiguous(),
-                                        XDT=_TL_DTYPES[first.dtype], NB=nb, num_warps=4)
-    return [as_nvfp4((data, scale, None), tuple(t.shape), global_scales[i]) for i, (t, (data, scale)) in
-            enumerate(zip(tensors, outs))]
+                                        XDT=_TL_DTYPES[first.dtype], NB=nb, DECODED=decoded, DBK=fp4_block_k(),
+                                        num_warps=4)
+    return [as_nvfp4((data, scale, None), tuple(t.shape), global_scales[i], decoded=dec if t.dim() == 2 else None)
+            for i, (t, (data, scale), dec) in enumerate(zip(tensors, outs, decs))]
 
 
 @triton.jit

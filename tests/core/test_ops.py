@@ -232,6 +232,25 @@ def test_wide_tiles_on_decoded_operands_equal_the_packed_kernel(monkeypatch, n, 
 @pytest.mark.gpu if HAS_CUDA else pytest.mark.interpreter
 @pytest.mark.skipif(not HAS_TRITON, reason="triton missing")
 @pytest.mark.parametrize("n,k,chunks", INVARIANCE_SHAPES, ids=lambda v: str(v))
+def test_a_weight_decoded_at_its_requantize_gives_the_gemm_its_bits(n, k, chunks):
+    """`ops.quantize_weights(..., decoded=True)` (the learner's re-quantize) hands each weight its decoded form,
+    which the wide tiles read instead of decoding the weight: the same bits at every M bucket, and the same
+    bits as the weight quantized without it."""
+    from minite_core.kernels import gemm
+
+    master = _rand(n, k, seed=43) * 0.05
+    plain, = ops.quantize_weights([master], backend="triton")
+    cached, = ops.quantize_weights([master], backend="triton", decoded=True)
+    assert plain.decoded is None and cached.decoded is not None
+    assert cached.decoded.shape == (n, -(-k // gemm.fp4_block_k()) * gemm.fp4_block_k())
+    for m in (1, 16, 200):
+        x = nvfp4.quantize(_rand(m, k, seed=44 + m))
+        assert torch.equal(gemm.gemm_triton(x, cached, None, torch.float32), gemm.gemm_triton(x, plain, None, torch.float32)), m
+
+
+@pytest.mark.gpu if HAS_CUDA else pytest.mark.interpreter
+@pytest.mark.skipif(not HAS_TRITON, reason="triton missing")
+@pytest.mark.parametrize("n,k,chunks", INVARIANCE_SHAPES, ids=lambda v: str(v))
 def test_small_m_tiles_on_a_decoded_activation_equal_the_packed_kernel(monkeypatch, n, k, chunks):
     """DECODE_X_MIN_M: the swapped tiles (M <= 128, split K chunks or not) take the activation decoded once by
     `decode_nvfp4` and decode only the weight themselves: the bits of the tile that decodes both."""
