@@ -49,7 +49,8 @@ _PTRS = dict(a_ptr="*u8", as_ptr="*u8", ags_ptr="*fp32", b_ptr="*u8", bs_ptr="*u
              bias_ptr="*bf16", c_ptr="*bf16", off_ptr="*i32", p_ptr="*fp32", cnt_ptr="*i32",
              # the row kernels (bf16 activations, NVFP4 outputs)
              X="*bf16", W="*bf16", Y="*bf16", RSTD="*fp32", Q="*u8", QS="*u8", QGS="*fp32", GATE="*bf16", UP="*bf16",
-             OUT="*bf16", x_ptr="*bf16", data_ptr="*u8", scale_ptr="*u8", gs_ptr="*fp32", DELTA="*bf16", XS="*bf16")
+             OUT="*bf16", x_ptr="*bf16", data_ptr="*u8", scale_ptr="*u8", gs_ptr="*fp32", DELTA="*bf16", XS="*bf16",
+             QD="*fp16", dec_ptr="*fp16")
 # the q/k norm + RoPE kernel's pointers (its K and S are tensors, the GEMM's are sizes)
 _QK_PTRS = dict(Q="*bf16", K="*bf16", V="*bf16", WQ="*bf16", WK="*bf16", C="*bf16", S="*bf16", QO="*bf16", KO="*bf16",
                 VO="*bf16", QN="*bf16", KN="*bf16", RQ="*fp32", RK="*fp32", SLOT="*i32", POS="*i64")
@@ -205,16 +206,16 @@ def sm90_cases() -> list[tuple]:
     for n_ in (1024, 2048):
         rows_, block, warps = qmod.row_tile(n_)
         cases.append((f"add_rms_norm_quantize_N{n_}", rows_mod._rms_norm_fwd_kernel,
-                      dict(ROWS=rows_, BLOCK=block, QUANT=True, RESIDUAL=True),
+                      dict(ROWS=rows_, BLOCK=block, QUANT=True, RESIDUAL=True, DBK=128),  # (with the decoded form)
                       dict(BLOCK_M=rows_, BLOCK_N=block, BLOCK_K=16, num_warps=warps, num_stages=1), (), rows_))
     for n_ in (3072, 6144):
         rows_, block, warps = qmod.row_tile(n_)
-        cases.append((f"silu_mul_quantize_N{n_}", rows_mod._silu_mul_quantize_rows_kernel, dict(ROWS=rows_, BLOCK=block),
+        cases.append((f"silu_mul_quantize_N{n_}", rows_mod._silu_mul_quantize_rows_kernel, dict(ROWS=rows_, BLOCK=block, DBK=128),
                       dict(BLOCK_M=rows_, BLOCK_N=block, BLOCK_K=16, num_warps=warps, num_stages=1), (), rows_))
-    cases.append(("silu_mul_quantize_walk", rows_mod._silu_mul_quantize_kernel, dict(NB=64, EVEN=True),  # N > ROW_TILE_MAX
+    cases.append(("silu_mul_quantize_walk", rows_mod._silu_mul_quantize_kernel, dict(NB=64, EVEN=True, DBK=128),
                   dict(BLOCK_M=1, BLOCK_N=1024, BLOCK_K=16, num_warps=4, num_stages=1), (), 1))
     rows_, block, warps = qmod.row_tile(4096)  # bench/gemm.py's quantize bandwidth: 8192 x 4096 bf16
-    cases.append(("quantize_rows_K4096", qmod._quantize_rows_kernel, dict(ROWS=rows_, BLOCK=block),
+    cases.append(("quantize_rows_K4096", qmod._quantize_rows_kernel, dict(ROWS=rows_, BLOCK=block, DBK=1),
                   dict(BLOCK_M=rows_, BLOCK_N=block, BLOCK_K=16, num_warps=warps, num_stages=1), (), rows_))
     for to_cache in (False, True):  # Qwen3-0.6B heads: 16 q, 8 k/v, head_dim 128
         cases.append((f"qk_norm_rope_{'cache' if to_cache else 'buffers'}", qkr_mod._qk_norm_rope_kernel,
@@ -225,7 +226,7 @@ def sm90_cases() -> list[tuple]:
     cases.append(("e4m3_rows", fp8_mod._e4m3_rows_kernel, dict(HW_CVT=True, BLOCK_R=16, BLOCK_C=256),
                   dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=16, num_warps=4, num_stages=1), ("stride_c",), 16,
                   dict(a_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32")))
-    cases.append(("quantize_row_gs", qmod._quantize_kernel, dict(ROW_GS=True, NB=64, EVEN_K=True),
+    cases.append(("quantize_row_gs", qmod._quantize_kernel, dict(ROW_GS=True, NB=64, EVEN_K=True, DBK=128),
                   dict(BLOCK_M=1, BLOCK_N=1024, BLOCK_K=16, num_warps=4, num_stages=1), ("stride_gs",), 1))
     # the learner's re-quantize: every weight in one launch (fp32 masters), with the decoded form
     cases.append(("quantize_many", qmod._quantize_many_kernel, dict(XDT=tl.float32, NB=64, DECODED=True, DBK=128),

@@ -42,6 +42,7 @@ Scales can be rearranged into the 128x4 swizzled layout that cuBLASLt and Blackw
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -76,10 +77,10 @@ class NVFP4Tensor:
     data:         uint8 [..., K//2], element 2i in the low nibble, 2i+1 in the high nibble.
     scale:        float8_e4m3fn [..., K//16].
     global_scale: float32, decode convention; shape [] (per tensor) or [..., 1] (per row).
-    decoded:      optional, 2-D tensors only: fp16 code * block scale in the wide W4A4 tile's layout
-                  (`kernels.gemm.decode_nvfp4` at its FP4_BLOCK_K), written with the codes by the learner's
-                  re-quantize (`ops.quantize_weights(..., decoded=True)`) so that the GEMM does not decode the
-                  weight again at every call of its version; the same values the GEMM would decode.
+    decoded:      optional: fp16 code * block scale [rows, K padded] in the wide W4A4 tile's layout
+                  (`kernels.gemm.decode_nvfp4`), written with the codes by the kernel that made them (the
+                  learner's re-quantize of its weights, the quantizing row ops of activations that feed wide
+                  tiles), so that the GEMM need not decode them again; the values the GEMM would decode.
     """
 
     data: torch.Tensor
@@ -103,9 +104,10 @@ class NVFP4Tensor:
         gs = self.global_scale
         if gs.dtype != torch.float32 or not (gs.dim() == 0 or tuple(gs.shape) == lead + (1,)):
             raise ValueError(f"NVFP4Tensor.global_scale must be float32 [] or {lead + (1,)}, got {gs.dtype} {tuple(gs.shape)}")
+        rows = math.prod(lead)
         if self.decoded is not None and (self.decoded.dtype != torch.float16 or self.decoded.dim() != 2
-                                         or len(self.shape) != 2 or self.decoded.shape[0] != self.shape[0]):
-            raise ValueError(f"NVFP4Tensor.decoded must be float16 [{self.shape[0]}, K padded], of a 2-D tensor, got "
+                                         or self.decoded.shape[0] != rows or self.decoded.shape[1] < k):
+            raise ValueError(f"NVFP4Tensor.decoded must be float16 [{rows}, >= {k}], got "
                              f"{self.decoded.dtype} {tuple(self.decoded.shape)} for shape {tuple(self.shape)}")
 
     @property

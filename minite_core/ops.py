@@ -23,6 +23,8 @@ counts what a decode step launches.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from typing import NamedTuple
 
@@ -61,9 +63,11 @@ def quantize(
     global_scale: torch.Tensor | float | None = None,
     backend: str | None = None,
     check_finite: bool = True,
+    decoded: bool = False,
 ) -> NVFP4Tensor:
     """Fused quantize: x [..., K] -> NVFP4 with per-row (activations, the default) or per-tensor (weights)
-    global scale; 1-D blocks of 16 along K. Both backends give the same bits."""
+    global scale; 1-D blocks of 16 along K. Both backends give the same bits. `decoded` (triton backend): the
+    result carries its decoded form for the wide GEMM tiles (`NVFP4Tensor.decoded`) from the same kernel."""
     backend = resolve_backend(backend)
     if backend == "torch":
         return nvfp4.quantize(x, scale_mode=scale_mode, global_scale=global_scale, check_finite=check_finite)
@@ -77,7 +81,15 @@ def quantize(
         global_scale = nvfp4._check_global_scale(global_scale, tuple(x.shape[:-1]), x.device)
     elif scale_mode == "tensor":
         global_scale = nvfp4.global_scale_from_amax(x.abs().amax())
-    return quantize_triton(x.contiguous(), global_scale)
+    return quantize_triton(x.contiguous(), global_scale, decoded=decoded)
+
+
+def _decoded_for(x: torch.Tensor) -> bool:
+    """Whether the activation x [..., K] (triton backend) should carry its decoded form: its rows meet the
+    GEMM's decoded tiles (`kernels.gemm.decodes_activation`), which would otherwise decode it again."""
+    from .kernels.gemm import decodes_activation
+
+    return decodes_activation(x.numel() // x.shape[-1] if x.shape[-1] else 0)
 
 
 def quantize_weights(tensors: list, *, backend: str | None = None, decoded: bool = False) -> list:
@@ -131,7 +143,8 @@ def _gemms(x2: torch.Tensor, ws: list, biases: list, out_dtype, backend: str, sc
     """The forward products of 2-D x with each weight, both backends -> (outs, the quantized x or None for
     plain weights). NVFP4: x is quantized once for all the weights (unless the caller gives `xq`)."""
     if isinstance(ws[0], NVFP4Tensor) and xq is None:
-        xq = quantize(x2, scale_mode=scale_mode, backend=backend, check_finite=False)
+        xq = quantize(x2, scale_mode=scale_mode, backend=backend, check_finite=False,
+                      decoded=backend == "triton" and scale_mode == "row" and _decoded_for(x2))
     if backend == "torch":
         outs = []
         for w, bias in zip(ws, biases):
@@ -177,7 +190,8 @@ class _Linears(torch.autograd.Function):
         # the straight-through backward of an NVFP4 linear needs only Q(x); the others need x itself
         keep_x = xq is None or bwd == "nvfp4"
         ctx.save_for_backward(x if keep_x else None, *w_tensors)
-        ctx.xq = None if keep_x else xq
+        # (without its decoded form, which the backward does not read: 2 bytes a value held until it runs)
+        ctx.xq = None if keep_x else dataclasses.replace(xq, decoded=None)
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.ws, ctx.bwd, ctx.has_bias, ctx.backend = ws, bwd, [b is not None for b in biases], backend
         return tuple(out.reshape(*x.shape[:-1], w.shape[0]) for out, w in zip(outs, ws))
@@ -307,7 +321,7 @@ def linears(
         if not isinstance(xq, NVFP4Tensor) or tuple(xq.shape) != tuple(x.shape) or not xq.per_row:
             raise ValueError(f"linears: xq must be the per-row NVFP4Tensor of x {tuple(x.shape)}")
         xq = NVFP4Tensor(xq.data.reshape(-1, xq.data.shape[-1]), xq.scale.reshape(-1, xq.scale.shape[-1]),
-                         xq.global_scale.reshape(-1, 1), (x.numel() // x.shape[-1], x.shape[-1]))
+                         xq.global_scale.reshape(-1, 1), (x.numel() // x.shape[-1], x.shape[-1]), xq.decoded)
     out_dtype = out_dtype or x.dtype
     w_tensors = [m if m is not None or isinstance(w, NVFP4Tensor) else w for w, m in zip(ws, masters)]
     return list(_Linears.apply(x, tuple(ws), xq, out_dtype, backend, scale_mode, backward, *w_tensors, *biases))
@@ -347,7 +361,8 @@ def _rms_norm(x, delta, weight, eps: float, backend: str | None, quantize: bool)
         _check_triton_device(x, "x")
         if weight.device != x.device:
             raise ValueError(f"x is on {x.device} but the rms_norm weight is on {weight.device}")
-        out = RMSNormFunction.apply(x, weight, float(eps), quantize, delta)  # y[, s][, y's NVFP4 parts]
+        out = RMSNormFunction.apply(x, weight, float(eps), quantize, delta,  # y[, s][, y's NVFP4 parts]
+                                    quantize and _decoded_for(x))
         out = out if isinstance(out, tuple) else (out,)
         s, q = (out[1], out[2:]) if delta is not None else (x, out[1:])
         return s, out[0], (as_nvfp4(q, tuple(x.shape)) if quantize else None)
@@ -388,7 +403,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None
         _check_triton_device(gate, "gate")
         if up.device != gate.device:
             raise ValueError(f"gate is on {gate.device} but up is on {up.device}")
-        return _with_nvfp4(SiluMulFunction.apply(gate, up, quantize), gate.shape, quantize)
+        return _with_nvfp4(SiluMulFunction.apply(gate, up, quantize, quantize and _decoded_for(gate)), gate.shape, quantize)
     h = reference.silu_mul(gate, up)
     return (h, nvfp4.quantize(h, check_finite=False)) if quantize else h
 

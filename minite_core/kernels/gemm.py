@@ -573,6 +573,14 @@ SWAP_CONFIGS = {  # BLOCK_M (the swapped MMA's N) -> the rest of the tile; BLOCK
 FP4_BLOCK_K = 128  # the K order of every W4A4 config on the GPU (never per M)
 
 
+def decodes_activation(m: int) -> bool:
+    """Whether a GEMM of m activation rows reads the activation decoded (the wide tiles on decoded operands,
+    or the swapped ones with DECODE_X_MIN_M): a function of M only, so the op that quantizes an activation
+    can write its decoded form with the codes (`NVFP4Tensor.decoded`) and spare the GEMM a decode launch."""
+    cfg = gemm_config(m, FP4_BLOCK_K, FP4_BLOCK_K, True)
+    return m > 0 and bool(cfg["DECODED"] or cfg["A_DECODED"])
+
+
 def fp4_block_k() -> int:
     """The BLOCK_K of every W4A4 config here: FP4_BLOCK_K on the GPU, 64 under the interpreter (the CPU tests'
     smaller tiles, `_tile_config`); also the step of a weight's `decoded` form that the GEMM reads."""
@@ -708,7 +716,8 @@ def gemm_many_triton(x, ws: list, biases: list, out_dtype: torch.dtype) -> list[
     launches = launch_groups(cfgs, ws, biases)
     xd = None
     if fp4 and (cfgs[0].get("DECODED") or cfgs[0].get("A_DECODED")):  # the decoded activation, shared by every launch
-        xd = decode_nvfp4(x, cfgs[0]["BLOCK_K"])
+        bk = cfgs[0]["BLOCK_K"]  # (the producer's, when it wrote one: `NVFP4Tensor.decoded`)
+        xd = x.decoded if x.decoded is not None and bk == fp4_block_k() else decode_nvfp4(x, bk)
     for idx in launches:
         segs = [(ws[i], biases[i], outs[i]) for i in idx if ws[i].shape[0]]
         if segs:

@@ -85,22 +85,35 @@ def quantize_codes(x, gs, inv_gs):
 
 
 @triton.jit
-def quantize_blocks(x, gs, inv_gs):
-    """`quantize_codes`, packed: (E2M1 bytes [NB, 8] uint8, element 2i in the low nibble, E4M3 scale bytes [NB])."""
-    even, odd, s_code = quantize_codes(x, gs, inv_gs)
-    return even | (odd << 4), s_code
+def store_decoded(o_ptr, off, kb, K, even, odd, s_code, DBK: tl.constexpr):
+    """The decoded form of B blocks (`NVFP4Tensor.decoded`: fp16 code * block scale, with the GEMM's own decode,
+    exact), in the wide tile's layout: each DBK-wide K step as its even elements, then its odd ones. even /
+    odd: the blocks' E2M1 codes [B, 8], s_code their E4M3 scale bytes [B]; kb [B] each block's first k (blocks
+    at kb >= K are not written), off [B] the offset from o_ptr of its row's decoded start."""
+    s16 = e4m3_to_fp16(s_code.to(tl.int16))[:, None]
+    offs = (off + (kb // DBK) * DBK + (kb % DBK) // 2)[:, None] + tl.arange(0, 8)[None, :]
+    ok = (kb < K)[:, None]
+    tl.store(o_ptr + offs, e2m1_to_fp16(even.to(tl.int16)) * s16, mask=ok)
+    tl.store(o_ptr + offs + DBK // 2, e2m1_to_fp16(odd.to(tl.int16)) * s16, mask=ok)
 
 
 @triton.jit
-def quantize_rows(v, rows64, row_ok, N, Q, QS, QGS, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def quantize_rows(v, rows64, row_ok, N, Q, QS, QGS, ROWS: tl.constexpr, BLOCK: tl.constexpr, QD, DBK: tl.constexpr):
     """NVFP4 of whole rows held in a tile, v [ROWS, BLOCK] fp32 (zeros past N, N a multiple of 16), with per-row
     global scales: packed bytes to Q [R, N/2], scale bytes to QS [R, N/16], global scales to QGS [R]. Only
-    maxima and elementwise operations (`quantize_blocks`): the bits of the chunk walk (`quantize_row`) of the
-    same rows."""
+    maxima and elementwise operations (`quantize_codes`): the bits of the chunk walk (`quantize_row`) of the
+    same rows. DBK > 1: the rows' decoded form to QD too (`store_decoded`, rows of cdiv(N, DBK) * DBK)."""
     gs = row_global_scale(tl.max(tl.abs(v), axis=1))
     tl.store(QGS + rows64, gs, mask=row_ok)
     gsb = tl.reshape(tl.broadcast_to(gs[:, None], [ROWS, BLOCK // 16]), [ROWS * (BLOCK // 16)])
-    packed, s_code = quantize_blocks(tl.reshape(v, [ROWS * (BLOCK // 16), 16]), gsb, tl.div_rn(tl.zeros_like(gsb) + 1.0, gsb))
+    even, odd, s_code = quantize_codes(tl.reshape(v, [ROWS * (BLOCK // 16), 16]), gsb, tl.div_rn(tl.zeros_like(gsb) + 1.0, gsb))
+    packed = even | (odd << 4)
+    if DBK > 1:
+        kb = tl.broadcast_to(tl.arange(0, BLOCK // 16)[None, :] * 16, [ROWS, BLOCK // 16])
+        kb = tl.where(row_ok[:, None], kb, N)  # (rows past R: not written)
+        off = tl.broadcast_to(rows64[:, None] * ((N + DBK - 1) // DBK * DBK), [ROWS, BLOCK // 16])
+        store_decoded(QD, tl.reshape(off, [ROWS * (BLOCK // 16)]), tl.reshape(kb, [ROWS * (BLOCK // 16)]), N,
+                      even, odd, s_code, DBK)
     c8 = tl.arange(0, BLOCK // 2)
     c16 = tl.arange(0, BLOCK // 16)
     tl.store(Q + rows64[:, None] * (N // 2) + c8[None, :], tl.reshape(packed, [ROWS, BLOCK // 2]),
@@ -110,7 +123,8 @@ def quantize_rows(v, rows64, row_ok, N, Q, QS, QGS, ROWS: tl.constexpr, BLOCK: t
 
 
 @triton.jit
-def _quantize_rows_kernel(X, Q, QS, QGS, R, K, sx, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _quantize_rows_kernel(X, Q, QS, QGS, QD, R, K, sx, ROWS: tl.constexpr, BLOCK: tl.constexpr, DBK: tl.constexpr,
+                          PDL: tl.constexpr):
     """ROWS whole rows per program, each read once into a [ROWS, BLOCK] tile (`row_tile`), then
     `quantize_rows`: the row's amax and its codes from the same registers (the chunk walk reads x twice)."""
     if PDL:  # first: before any global memory access (kernels/pdl.py)
@@ -120,7 +134,7 @@ def _quantize_rows_kernel(X, Q, QS, QGS, R, K, sx, ROWS: tl.constexpr, BLOCK: tl
     row_ok = rows < R
     rows64 = rows.to(tl.int64)
     v = tl.load(X + rows64[:, None] * sx + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
-    quantize_rows(v.to(tl.float32), rows64, row_ok, K, Q, QS, QGS, ROWS, BLOCK)
+    quantize_rows(v.to(tl.float32), rows64, row_ok, K, Q, QS, QGS, ROWS, BLOCK, QD, DBK)
 
 
 @triton.jit
@@ -143,18 +157,8 @@ def _quantize_chunk(x_row, d_row, s_row, o_row, k0, K, gs, inv_gs, NB: tl.conste
     else:
         tl.store(d_row + k0 // 2 + offs8, packed)
         tl.store(s_row + k0 // 16 + blk, s_code)
-    if DECODED:  # with the GEMM's own decode (exact in fp16): the even codes of the block at kb go to the even
-        # half of its DBK step at (kb % DBK) / 2, its odd codes to the odd half
-        s16 = e4m3_to_fp16(s_code.to(tl.int16))[:, None]
-        kb = k0 + blk * 16  # each block's first element
-        offs = ((kb // DBK) * DBK + (kb % DBK) // 2)[:, None] + tl.arange(0, 8)[None, :]
-        de, do = e2m1_to_fp16(even.to(tl.int16)) * s16, e2m1_to_fp16(odd.to(tl.int16)) * s16
-        if MASKED:
-            tl.store(o_row + offs, de, mask=(kb < K)[:, None])
-            tl.store(o_row + offs + DBK // 2, do, mask=(kb < K)[:, None])
-        else:
-            tl.store(o_row + offs, de)
-            tl.store(o_row + offs + DBK // 2, do)
+    if DECODED:
+        store_decoded(o_row, tl.zeros([NB], dtype=tl.int32), k0 + blk * 16, K, even, odd, s_code, DBK)
 
 
 @triton.jit
@@ -179,11 +183,12 @@ def quantize_row(x_row, d_row, s_row, o_row, K, gs, inv_gs, NB: tl.constexpr, EV
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr, data_ptr, scale_ptr, gs_ptr,
+    x_ptr, data_ptr, scale_ptr, gs_ptr, dec_ptr,
     K, stride_x, stride_data, stride_scale, stride_gs,
-    ROW_GS: tl.constexpr, NB: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
+    ROW_GS: tl.constexpr, NB: tl.constexpr, EVEN_K: tl.constexpr, DBK: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One program per row; the row is walked in chunks of NB blocks, held as an [NB, 16] tile."""
+    """One program per row; the row is walked in chunks of NB blocks, held as an [NB, 16] tile. DBK > 1: the
+    row's decoded form to dec_ptr too (rows of cdiv(K, DBK) * DBK)."""
     if PDL:  # first: before any global memory access (kernels/pdl.py)
         pdl.prologue()
     row = tl.program_id(0).to(tl.int64)
@@ -204,8 +209,9 @@ def _quantize_kernel(
         gs = tl.load(gs_ptr + row * stride_gs)
     gs = gs + tl.zeros([NB], dtype=tl.float32)
     inv_gs = tl.div_rn(tl.zeros([NB], dtype=tl.float32) + 1.0, gs)
-    d_row = data_ptr + row * stride_data
-    quantize_row(x_row, d_row, scale_ptr + row * stride_scale, d_row, K, gs, inv_gs, NB, EVEN_K, False, 1)
+    o_row = dec_ptr + row * ((K + DBK - 1) // DBK * DBK)
+    quantize_row(x_row, data_ptr + row * stride_data, scale_ptr + row * stride_scale, o_row, K, gs, inv_gs, NB, EVEN_K,
+                 DBK > 1, DBK)
 
 
 @triton.jit
@@ -269,23 +275,27 @@ def decode_buffer(r: int, k: int, device) -> torch.Tensor:
 def as_nvfp4(parts: tuple, shape: tuple, global_scale: torch.Tensor | None = None,
              decoded: torch.Tensor | None = None) -> NVFP4Tensor:
     """(packed, scale bytes, per-row global scales) of the rows of a tensor of `shape` -> its NVFP4Tensor;
-    `global_scale`: a given one instead of the per-row scales; `decoded`: its decoded form (2-D tensors)."""
-    data, scale, gs = parts
+    `global_scale`: a given one instead of the per-row scales; `decoded`: its decoded form [rows, K padded]."""
+    data, scale, gs, *rest = parts  # (a 4th part: the decoded form, as the row kernels return it)
+    decoded = rest[0] if rest else decoded
     lead, k = tuple(shape[:-1]), shape[-1]
     return NVFP4Tensor(data.reshape(lead + (k // 2,)), scale.view(torch.float8_e4m3fn).reshape(lead + (k // BLOCK,)),
                        gs.reshape(lead + (1,)) if global_scale is None else global_scale, tuple(shape), decoded)
 
 
-def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None, whole_rows: bool = WHOLE_ROWS) -> NVFP4Tensor:
+def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None, whole_rows: bool = WHOLE_ROWS,
+                    decoded: bool = False) -> NVFP4Tensor:
     """Quantize x [..., K] with per-row global scales (global_scale None) or a given scalar/[.., 1] one.
     `whole_rows`: rows up to ROW_TILE_MAX read once into one tile (`quantize_rows`) instead of walked in chunks
-    (the same bits; see WHOLE_ROWS)."""
+    (the same bits; see WHOLE_ROWS). `decoded`: the result carries its decoded form (`NVFP4Tensor.decoded`),
+    written by the same kernel, for the wide GEMM tiles."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         raise ValueError("x must have a contiguous last dimension for the Triton quantize kernel")
     r = x2.shape[0]
     data, scale, gs = nvfp4_buffers(r, k, x.device, row_scales=global_scale is None)
+    dec, dbk = (decode_buffer(r, k, x.device), fp4_block_k()) if decoded else (None, 1)
     stride_gs = 1
     if global_scale is not None:
         gs = global_scale.reshape(-1).contiguous()
@@ -293,16 +303,17 @@ def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None, whole_ro
     if whole_rows and global_scale is None and k <= ROW_TILE_MAX:
         if r:
             rows, block, warps = row_tile(k)
-            _quantize_rows_kernel[(triton.cdiv(r, rows),)](x2, data, scale, gs, r, k, x2.stride(0), ROWS=rows, BLOCK=block,
+            _quantize_rows_kernel[(triton.cdiv(r, rows),)](x2, data, scale, gs, data if dec is None else dec, r, k,
+                                                           x2.stride(0), ROWS=rows, BLOCK=block, DBK=dbk,
                                                            num_warps=warps, **pdl.launch(x.device))
-        return as_nvfp4((data, scale, gs), tuple(x.shape))
+        return as_nvfp4((data, scale, gs), tuple(x.shape), decoded=dec)
     nb = min(64, triton.next_power_of_2(k // BLOCK))
     if r:
         _quantize_kernel[(r,)](
-            x2, data, scale, gs, k, x2.stride(0), data.stride(0), scale.stride(0), stride_gs,
-            ROW_GS=global_scale is None, NB=nb, EVEN_K=k % (nb * BLOCK) == 0, num_warps=4, **pdl.launch(x.device),
+            x2, data, scale, gs, data if dec is None else dec, k, x2.stride(0), data.stride(0), scale.stride(0), stride_gs,
+            ROW_GS=global_scale is None, NB=nb, EVEN_K=k % (nb * BLOCK) == 0, DBK=dbk, num_warps=4, **pdl.launch(x.device),
         )
-    return as_nvfp4((data, scale, gs), tuple(x.shape), global_scale)
+    return as_nvfp4((data, scale, gs), tuple(x.shape), global_scale, decoded=dec)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -345,7 +356,7 @@ def quantize_many_triton(tensors: list, global_scales: torch.Tensor, decoded: bo
         _quantize_many_kernel[(total,)](meta_t, _ROW_TENSOR[key], global_scales.reshape(-1).float().contiguous(),
                                         XDT=_TL_DTYPES[first.dtype], NB=nb, DECODED=decoded, DBK=fp4_block_k(),
                                         num_warps=4)
-    return [as_nvfp4((data, scale, None), tuple(t.shape), global_scales[i], decoded=dec if t.dim() == 2 else None)
+    return [as_nvfp4((data, scale, None), tuple(t.shape), global_scales[i], decoded=dec)
             for i, (t, (data, scale), dec) in enumerate(zip(tensors, outs, decs))]
 
 

@@ -35,7 +35,7 @@ layout.
 Fused for the decode step (one launch instead of a chain; the same arithmetic, through the same helpers):
 RMSNorm with the residual add in front (`delta`: s = x + delta rounded to x's dtype, as torch adds, written
 out as the new residual stream) and/or the NVFP4 quantize of its output behind (`quantize_rows`, the
-quantize kernel's `quantize_blocks`: maxima and elementwise operations only, so the bits of
+quantize kernel's `quantize_codes`: maxima and elementwise operations only, so the bits of
 `quantize_triton(y)`); SiLU * up with the quantize of its output (a row per program, two walks over it, amax then values and
 codes; or, `whole_rows`, the row once in one tile as the norm). The q/k norm + RoPE fusion is `kernels/qk_norm_rope.py`, built from
 this module's helpers (`rms_rstd`, `rms_scale`, `rope_rotate`) and backward kernels.
@@ -55,8 +55,9 @@ import triton.language as tl
 
 from ..nvfp4 import BLOCK as QBLOCK
 from . import pdl
-from .gemm import interpreting
-from .quantize import ROW_TILE_MAX, WHOLE_ROWS, nvfp4_buffers, quantize_blocks, quantize_rows, row_global_scale, row_tile
+from .gemm import fp4_block_k, interpreting
+from .quantize import (ROW_TILE_MAX, WHOLE_ROWS, decode_buffer, nvfp4_buffers, quantize_codes, quantize_rows,
+                       row_global_scale, row_tile, store_decoded)
 
 
 @triton.jit
@@ -85,11 +86,11 @@ def rms_scale(xf, rstd, w, XDT: tl.constexpr, YDT: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_fwd_kernel(X, W, Y, RSTD, Q, QS, QGS, DELTA, XS, R, N, sx, sy, sd, nf, eps,
+def _rms_norm_fwd_kernel(X, W, Y, RSTD, Q, QS, QGS, QD, DELTA, XS, R, N, sx, sy, sd, nf, eps,
                          ROWS: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr, RESIDUAL: tl.constexpr,
-                         PDL: tl.constexpr):
+                         DBK: tl.constexpr, PDL: tl.constexpr):
     """RESIDUAL: the rows normalized are x + delta (rounded once to x's dtype, as torch adds), also written
-    to XS [R, N]; QUANT: y's NVFP4 (`quantize_rows`)."""
+    to XS [R, N]; QUANT: y's NVFP4 (`quantize_rows`; DBK > 1: with its decoded form to QD)."""
     if PDL:  # first: before any global memory access (kernels/pdl.py)
         pdl.prologue()
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -109,7 +110,7 @@ def _rms_norm_fwd_kernel(X, W, Y, RSTD, Q, QS, QGS, DELTA, XS, R, N, sx, sy, sd,
     tl.store(Y + rows64[:, None] * sy + cols[None, :], out, mask=mask)
     tl.store(RSTD + rows, rstd, mask=row_ok)
     if QUANT:
-        quantize_rows(out.to(tl.float32), rows64, row_ok, N, Q, QS, QGS, ROWS, BLOCK)
+        quantize_rows(out.to(tl.float32), rows64, row_ok, N, Q, QS, QGS, ROWS, BLOCK, QD, DBK)
 
 
 @triton.jit
@@ -137,30 +138,48 @@ def _rms_norm_bwd_kernel(X, W, G, RSTD, DX, DW, R, N, sx, sg, sdx, nf, TILES,
     tl.store(DW + pid.to(tl.int64) * N + cols, dw, mask=col_ok)
 
 
+def _quantize_buffers(r: int, n: int, device, decoded: bool) -> tuple:
+    """The NVFP4 output of r rows of n: (packed, scale bytes, global scales[, the decoded form])."""
+    return nvfp4_buffers(r, n, device) + ((decode_buffer(r, n, device),) if decoded else ())
+
+
+def _quantize_args(q: tuple | None, dummy: torch.Tensor) -> tuple:
+    """A row kernel's Q, QS, QGS, QD pointers (`dummy` where there is nothing to write)."""
+    q = q or ()
+    return tuple(q) + (dummy,) * (4 - len(q))
+
+
+def _dbk(q: tuple | None) -> int:
+    """A row kernel's DBK: the decoded form's K step, or 1 (none)."""
+    return fp4_block_k() if q is not None and len(q) == 4 else 1
+
+
 def _rows2d(t: torch.Tensor) -> torch.Tensor:
     t2 = t.reshape(-1, t.shape[-1])
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool = False,
-                     delta: torch.Tensor | None = None):
+                     delta: torch.Tensor | None = None, decoded: bool = False):
     """x [..., N], weight [N] -> (y [..., N] in promote(x, weight) dtype, rstd [rows] fp32, the NVFP4 of y with
-    per-row global scales as (packed, scale bytes, global scales) with `quantize` else None, x + delta
-    (rounded to x's dtype) with `delta` else None): y normalizes x + delta when given."""
+    per-row global scales as (packed, scale bytes, global scales[, its decoded form with `decoded`]) with
+    `quantize` else None, x + delta (rounded to x's dtype) with `delta` else None): y normalizes x + delta
+    when given."""
     x2 = _rows2d(x)
     r, n = x2.shape
     w = weight.contiguous()
     y = torch.empty(r, n, device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
     rstd = torch.empty(r, device=x.device, dtype=torch.float32)
-    q = nvfp4_buffers(r, n, x.device) if quantize else None
+    q = _quantize_buffers(r, n, x.device, decoded) if quantize else None
     d2 = _rows2d(delta) if delta is not None else None
     xs = torch.empty(r, n, device=x.device, dtype=x.dtype) if delta is not None else None
     if r and n:
         rows, block, warps = row_tile(n)
         _rms_norm_fwd_kernel[(triton.cdiv(r, rows),)](
-            x2, w, y, rstd, *(q or (y, y, y)), d2 if d2 is not None else x2, xs if xs is not None else y, r, n,
+            x2, w, y, rstd, *_quantize_args(q, y), d2 if d2 is not None else x2, xs if xs is not None else y, r, n,
             x2.stride(0), y.stride(0), d2.stride(0) if d2 is not None else 0, float(n), float(eps),
-            ROWS=rows, BLOCK=block, QUANT=quantize, RESIDUAL=delta is not None, num_warps=warps, **pdl.launch(x.device))
+            ROWS=rows, BLOCK=block, QUANT=quantize, RESIDUAL=delta is not None, DBK=_dbk(q), num_warps=warps,
+            **pdl.launch(x.device))
     return y.reshape(*x.shape[:-1], n), rstd, q, (xs.reshape(x.shape) if xs is not None else None)
 
 
@@ -196,8 +215,8 @@ class RMSNormFunction(torch.autograd.Function):
     scale bytes, global scales) (with quantize; no gradient)."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, quantize=False, delta=None):
-        y, rstd, q, xs = rms_norm_forward(x, weight, eps, quantize, delta)
+    def forward(ctx, x, weight, eps, quantize=False, delta=None, decoded=False):
+        y, rstd, q, xs = rms_norm_forward(x, weight, eps, quantize, delta, decoded)
         ctx.save_for_backward(x if xs is None else xs, weight, rstd)
         ctx.residual = xs is not None
         out = (y,) + ((xs,) if xs is not None else ())
@@ -214,7 +233,7 @@ class RMSNormFunction(torch.autograd.Function):
         if ctx.residual:  # s = x + delta feeds the norm and the residual stream: both gradients reach x and delta
             dx = dx + rest[0]
             dd = dx if ctx.needs_input_grad[4] else None
-        return (dx if ctx.needs_input_grad[0] else None), dw, None, None, dd
+        return (dx if ctx.needs_input_grad[0] else None), dw, None, None, dd, None
 
 
 # ------------------------------------------------------------------------------------------ SiLU * up
@@ -249,8 +268,8 @@ def _silu_mul_chunk(GATE, UP, base, offs, N, EVEN: tl.constexpr, dtype: tl.const
 
 
 @triton.jit
-def _silu_mul_quantize_rows_kernel(GATE, UP, OUT, Q, QS, QGS, R, N, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                                   PDL: tl.constexpr):
+def _silu_mul_quantize_rows_kernel(GATE, UP, OUT, Q, QS, QGS, QD, R, N, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                                   DBK: tl.constexpr, PDL: tl.constexpr):
     """ROWS whole rows per program (contiguous rows of N <= ROW_TILE_MAX, a multiple of 16; `row_tile`): out =
     silu(gate) * up as the elementwise kernel, read and computed once, written, and quantized from the same
     registers (`quantize_rows`)."""
@@ -265,14 +284,15 @@ def _silu_mul_quantize_rows_kernel(GATE, UP, OUT, Q, QS, QGS, R, N, ROWS: tl.con
     out = silu_mul_value(tl.load(GATE + offs, mask=mask, other=0.0), tl.load(UP + offs, mask=mask, other=0.0),
                          OUT.dtype.element_ty)
     tl.store(OUT + offs, out, mask=mask)
-    quantize_rows(out.to(tl.float32), rows64, row_ok, N, Q, QS, QGS, ROWS, BLOCK)
+    quantize_rows(out.to(tl.float32), rows64, row_ok, N, Q, QS, QGS, ROWS, BLOCK, QD, DBK)
 
 
 @triton.jit
-def _silu_mul_quantize_kernel(GATE, UP, OUT, Q, QS, QGS, N, NB: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr):
+def _silu_mul_quantize_kernel(GATE, UP, OUT, Q, QS, QGS, QD, N, NB: tl.constexpr, EVEN: tl.constexpr, DBK: tl.constexpr,
+                              PDL: tl.constexpr):
     """Rows longer than ROW_TILE_MAX: one row per program (contiguous rows of N, a multiple of 16): out = silu(gate) * up as the elementwise
     kernel, and out's NVFP4 with a per-row global scale: a first walk over the row's chunks of NB blocks for
-    the row's max |out|, a second that writes out and quantizes it (`quantize_blocks`), computing out again
+    the row's max |out|, a second that writes out and quantizes it (`quantize_codes`), computing out again
     (the same elementwise operations, so the same values) instead of reading it back."""
     if PDL:  # first: before any global memory access (kernels/pdl.py)
         pdl.prologue()
@@ -290,7 +310,11 @@ def _silu_mul_quantize_kernel(GATE, UP, OUT, Q, QS, QGS, N, NB: tl.constexpr, EV
     inv_gs = tl.div_rn(tl.zeros([NB], dtype=tl.float32) + 1.0, gs)
     for k0 in range(0, N, NB * 16):
         out = _silu_mul_chunk(GATE, UP, row * N, k0 + offs16, N, EVEN, OUT.dtype.element_ty)
-        packed, s_code = quantize_blocks(out.to(tl.float32), gs, inv_gs)
+        even, odd, s_code = quantize_codes(out.to(tl.float32), gs, inv_gs)
+        packed = even | (odd << 4)
+        if DBK > 1:  # the decoded form of the row (`store_decoded`)
+            store_decoded(QD, tl.zeros([NB], dtype=tl.int64) + row * ((N + DBK - 1) // DBK * DBK), k0 + blk * 16, N,
+                          even, odd, s_code, DBK)
         if EVEN:
             tl.store(OUT + row * N + k0 + offs16, out)
             tl.store(Q + row * (N // 2) + k0 // 2 + offs8, packed)
@@ -317,11 +341,12 @@ def _elementwise_block() -> int:
     return 256 if interpreting() else 1024
 
 
-def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False, whole_rows: bool = WHOLE_ROWS):
+def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False, whole_rows: bool = WHOLE_ROWS,
+                     decoded: bool = False):
     """silu(gate) * up in fp32, rounded once to gate's dtype; with `quantize` -> (out, its NVFP4 with per-row
-    global scales as (packed, scale bytes, global scales)), the last dimension a multiple of 16. `whole_rows`:
-    rows up to ROW_TILE_MAX computed once in one tile instead of twice in a chunk walk (the same bits;
-    `quantize.WHOLE_ROWS`)."""
+    global scales as (packed, scale bytes, global scales[, its decoded form with `decoded`])), the last
+    dimension a multiple of 16. `whole_rows`: rows up to ROW_TILE_MAX computed once in one tile instead of
+    twice in a chunk walk (the same bits; `quantize.WHOLE_ROWS`)."""
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)
     if not quantize:
@@ -332,26 +357,28 @@ def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, quantize: bool = Fals
         return out
     n = gate.shape[-1]
     r = gate.numel() // n if n else 0
-    q = nvfp4_buffers(r, n, gate.device)
+    q = _quantize_buffers(r, n, gate.device, decoded)
     if r and n and whole_rows and n <= ROW_TILE_MAX:
         rows, block, warps = row_tile(n)
-        _silu_mul_quantize_rows_kernel[(triton.cdiv(r, rows),)](gate, up, out, *q, r, n, ROWS=rows, BLOCK=block,
-                                                                num_warps=warps, **pdl.launch(gate.device))
+        _silu_mul_quantize_rows_kernel[(triton.cdiv(r, rows),)](gate, up, out, *_quantize_args(q, out), r, n, ROWS=rows,
+                                                                BLOCK=block, DBK=_dbk(q), num_warps=warps,
+                                                                **pdl.launch(gate.device))
     elif r and n:
         nb = min(16 if interpreting() else 64, triton.next_power_of_2(n // QBLOCK))
-        _silu_mul_quantize_kernel[(r,)](gate, up, out, *q, n, NB=nb, EVEN=n % (nb * QBLOCK) == 0, num_warps=4,
-                                        **pdl.launch(gate.device))
+        _silu_mul_quantize_kernel[(r,)](gate, up, out, *_quantize_args(q, out), n, NB=nb, EVEN=n % (nb * QBLOCK) == 0,
+                                        DBK=_dbk(q), num_warps=4, **pdl.launch(gate.device))
     return out, q
 
 
 class SiluMulFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate, up, quantize=False):
-        """-> out, or with `quantize` (out, packed, scale bytes, global scales): out's NVFP4 (no gradient)."""
+    def forward(ctx, gate, up, quantize=False, decoded=False):
+        """-> out, or with `quantize` (out, packed, scale bytes, global scales[, decoded form]): out's NVFP4 (no
+        gradient)."""
         ctx.save_for_backward(gate, up)
         if not quantize:
             return silu_mul_forward(gate, up)
-        out, q = silu_mul_forward(gate, up, True)
+        out, q = silu_mul_forward(gate, up, True, decoded=decoded)
         ctx.mark_non_differentiable(*q)
         return (out, *q)
 
@@ -364,7 +391,7 @@ class SiluMulFunction(torch.autograd.Function):
             block = _elementwise_block()
             _silu_mul_bwd_kernel[(triton.cdiv(gate.numel(), block),)](gate, up, g, dgate, dup, gate.numel(),
                                                                        BLOCK=block, num_warps=4)
-        return dgate, dup, None
+        return dgate, dup, None, None
 
 
 # ---------------------------------------------------------------------------------------------- RoPE

@@ -29,13 +29,14 @@ def test_a_decode_layer_launches_one_kernel_per_fused_op(precision):
 
 
 # One learner-step layer (bench/learner_host.py; the GPU's backward recipe, M > 128 so the GEMMs take the wide
-# tiles), by design: forward as the decode layer but the attention in SDPA (the bench's knob) and the wide GEMMs'
-# fp16 activation decoded once per call (one launch per linears call: 4; the weights come decoded from the
-# re-quantize, `NVFP4Tensor.decoded`, which the step's first forward, before any re-quantize, lacks); backward: the four
+# tiles), by design: forward as the decode layer but the attention in SDPA (the bench's knob), and no decode
+# launch: the wide GEMMs' fp16 operands come decoded from the kernels that quantized them (`NVFP4Tensor.decoded`:
+# the activations from the norms / SiLU*up / quantize, the weights from the re-quantize, which the step's
+# first forward, before any re-quantize, lacks); backward: the four
 # RMSNorms (input, post-attention, q, k), RoPE of q and k, SiLU*up, and in NVFP4 the dequantize of the 7 weights
 # and of the 4 quantized inputs; AdamW in torch; re-quantize: one launch for all the weights, whatever the depth.
 LEARNER_LAYER = {
-    "nvfp4": {"forward": Counter({"triton _rms_norm_fwd_kernel": 2, "triton _decode_kernel": 4, "triton _gemm_kernel": 4,
+    "nvfp4": {"forward": Counter({"triton _rms_norm_fwd_kernel": 2, "triton _gemm_kernel": 4,
                                   "triton _qk_norm_rope_kernel": 1, "triton _quantize_kernel": 1,
                                   "triton _silu_mul_quantize_kernel": 1}),
               "backward": Counter({"triton _dequantize_kernel": 11, "triton _rms_norm_bwd_kernel": 4,

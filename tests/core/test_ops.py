@@ -3,6 +3,8 @@ bit and within fp32-accumulation tolerance of an fp64 reference, autograd, and b
 
 On a CPU machine the Triton cases run under the interpreter (small shapes); on a GPU, on the GPU.
 """
+import dataclasses
+
 import pytest
 import torch
 from tests.backends import DEVICE, HAS_CUDA, HAS_TRITON, CudaScalarDivision, backend_params
@@ -246,6 +248,45 @@ def test_a_weight_decoded_at_its_requantize_gives_the_gemm_its_bits(n, k, chunks
     for m in (1, 16, 200):
         x = nvfp4.quantize(_rand(m, k, seed=44 + m))
         assert torch.equal(gemm.gemm_triton(x, cached, None, torch.float32), gemm.gemm_triton(x, plain, None, torch.float32)), m
+
+
+@pytest.mark.gpu if HAS_CUDA else pytest.mark.interpreter
+@pytest.mark.skipif(not HAS_TRITON, reason="triton missing")
+@pytest.mark.parametrize("op", ["quantize", "rms_norm", "silu_mul", "linear"])
+def test_an_activation_for_wide_tiles_carries_its_decoded_form(op):
+    """The ops that quantize an activation write its decoded form (`NVFP4Tensor.decoded`) where its rows
+    meet the decoded wide tiles (M > 128): == the GEMM's own decode of the codes, the same codes as without
+    it, and the linears on it give the bits of the linears decoding it themselves. K = 208: a part step."""
+    from minite_core.kernels import gemm
+
+    m, k = 198, 208
+    assert gemm.decodes_activation(m) and not gemm.decodes_activation(16)
+    x, other = _rand(3, m // 3, k, seed=45), _rand(3, m // 3, k, seed=46)  # 3-D: [rows, K] decoded
+    w = _rand(k, seed=47).abs() + 0.5
+    if op == "quantize":
+        q = ops.quantize(x, backend="triton", decoded=True)
+        plain = ops.quantize(x, backend="triton")
+    elif op == "rms_norm":
+        _, q = ops.rms_norm(x, w, 1e-6, backend="triton", quantize=True)
+        plain = ops.quantize(ops.rms_norm(x, w, 1e-6, backend="triton"), backend="triton")
+    elif op == "silu_mul":
+        _, q = ops.silu_mul(x, other, backend="triton", quantize=True)
+        plain = ops.quantize(ops.silu_mul(x, other, backend="triton"), backend="triton")
+    else:  # linear quantizes its input itself: the decoded form is used inside, and its output must not change
+        ws = [_weights(40, k, seed=48)["nvfp4-tensor"], _weights(24, k, seed=49)["nvfp4-tensor"]]
+        xq = ops.quantize(x, backend="triton")
+        with_xq = ops.linears(x, ws, backend="triton", xq=xq, check_finite=False)
+        inside = ops.linears(x, ws, backend="triton", check_finite=False)
+        assert all(torch.equal(a, b) for a, b in zip(with_xq, inside))
+        return
+    assert plain.decoded is None and q.decoded is not None
+    assert torch.equal(q.data, plain.data) and torch.equal(q.scale.view(torch.uint8), plain.scale.view(torch.uint8))
+    rows = nvfp4.NVFP4Tensor(q.data.reshape(-1, k // 2), q.scale.reshape(-1, k // 16), q.global_scale.reshape(-1, 1), (m, k))
+    assert torch.equal(q.decoded, gemm.decode_nvfp4(rows, gemm.fp4_block_k()))
+    ws = [_weights(40, k, seed=48)["nvfp4-tensor"], _weights(24, k, seed=49)["nvfp4-tensor"]]
+    a = ops.linears(x, ws, backend="triton", xq=q, check_finite=False)
+    b = ops.linears(x, ws, backend="triton", xq=dataclasses.replace(q, decoded=None), check_finite=False)
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
 
 
 @pytest.mark.gpu if HAS_CUDA else pytest.mark.interpreter

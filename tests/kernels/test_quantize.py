@@ -74,15 +74,14 @@ def test_many_tensors_in_one_launch_have_the_bits_of_one_launch_each(dtype):
             assert q.shape == ref.shape and torch.equal(q.data, ref.data), i
             assert torch.equal(q.scale.view(torch.uint8), ref.scale.view(torch.uint8)), i
             assert torch.equal(q.global_scale.reshape(()), ref.global_scale.reshape(())), i
-    # decoded=True: the same codes, and each 2-D tensor's decoded form == the GEMM's own decode of its codes
+    # decoded=True: the same codes, and each tensor's decoded form == the GEMM's own decode of its codes (rows)
     from minite_core.kernels.gemm import decode_nvfp4, fp4_block_k
 
     for t, q, d in zip(ts, got, quantize_many_triton(ts, gs, decoded=True)):
         assert torch.equal(q.data, d.data) and torch.equal(q.scale.view(torch.uint8), d.scale.view(torch.uint8))
-        if t.dim() != 2:
-            assert d.decoded is None
-            continue
-        ref = decode_nvfp4(q, fp4_block_k())
+        k = t.shape[-1]
+        rows = nvfp4.NVFP4Tensor(q.data.reshape(-1, k // 2), q.scale.reshape(-1, k // 16), q.global_scale, (t.numel() // k, k))
+        ref = decode_nvfp4(rows, fp4_block_k())
         assert d.decoded.shape == ref.shape and torch.equal(d.decoded, ref), tuple(t.shape)
     with pytest.raises(ValueError, match="one dtype"):
         quantize_many_triton([ts[0], ts[1].double()], gs[:2])
