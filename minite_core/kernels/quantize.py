@@ -13,7 +13,15 @@ round-to-nearest (`tl.div_rn`; a plain `/` may lower to an approximate division 
 rounding of the block scale is done on the fp32 bits (no reliance on the target's fp8 conversion), and
 E2M1 rounding counts thresholds with ties to even. The output is bit-identical to the torch backend,
 which tests check on CPU (interpreter) and GPU. `quantize_many_triton` runs the chunk walk
-(`quantize_row`) over the rows of many tensors in one launch, each with its own global scale (the learner's re-quantize of all its weights).
+(`quantize_row`) over the rows of many tensors in one launch, each with its own global scale (the
+learner's re-quantize of all its weights).
+
+Every quantize (this module's, and the RMSNorm / SiLU * up kernels' through `quantize_rows`) can also write
+the decoded form of what it quantized (`store_decoded`, `NVFP4Tensor.decoded`: fp16 code * block scale, in
+the wide GEMM tile's layout, with the GEMM's own decode, so exactly the values the GEMM would decode): for
+the learner's weights (once per version) and for activations whose rows meet the decoded wide tiles, so
+the GEMM reads them instead of launching a decode of each operand at each call. DBK > 1 (the GEMM's K step,
+`gemm.fp4_block_k()`) turns it on; 1 off.
 
 Dequantize decodes with the GEMM's own decode (`gemm.load_decode_step`: code * block scale, exact in fp16),
 then multiplies by the global scale in fp32 and rounds once to the output dtype: `nvfp4.dequantize`'s
@@ -139,9 +147,9 @@ def _quantize_rows_kernel(X, Q, QS, QGS, QD, R, K, sx, ROWS: tl.constexpr, BLOCK
 
 @triton.jit
 def _quantize_chunk(x_row, d_row, s_row, o_row, k0, K, gs, inv_gs, NB: tl.constexpr, MASKED: tl.constexpr,
-                    DECODED: tl.constexpr, DBK: tl.constexpr):
-    """The NB blocks of a row from k0 (MASKED: those past K left out); DECODED: their fp16 code * block scale
-    to o_row too (`quantize_row`)."""
+                    DBK: tl.constexpr):
+    """The NB blocks of a row from k0 (MASKED: those past K left out); DBK > 1: their decoded form to o_row
+    too (`quantize_row`)."""
     blk = tl.arange(0, NB)
     offs16 = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
     offs8 = blk[:, None] * 8 + tl.arange(0, 8)[None, :]
@@ -157,28 +165,28 @@ def _quantize_chunk(x_row, d_row, s_row, o_row, k0, K, gs, inv_gs, NB: tl.conste
     else:
         tl.store(d_row + k0 // 2 + offs8, packed)
         tl.store(s_row + k0 // 16 + blk, s_code)
-    if DECODED:
+    if DBK > 1:
         store_decoded(o_row, tl.zeros([NB], dtype=tl.int32), k0 + blk * 16, K, even, odd, s_code, DBK)
 
 
 @triton.jit
 def quantize_row(x_row, d_row, s_row, o_row, K, gs, inv_gs, NB: tl.constexpr, EVEN_K: tl.constexpr,
-                 DECODED: tl.constexpr, DBK: tl.constexpr):
+                 DBK: tl.constexpr):
     """The NVFP4 codes of one row of K values at x_row, walked in chunks of NB blocks held as an [NB, 16]
     tile: packed bytes to d_row, E4M3 scale bytes to s_row; gs and inv_gs = 1 / gs [NB], the row's global
     scale. The whole chunks without masks (so the loads and stores vectorize), then, unless EVEN_K (K a
-    multiple of NB * 16), the last part chunk with them. DECODED: also the row as `gemm.decode_nvfp4(.., DBK)`
+    multiple of NB * 16), the last part chunk with them. DBK > 1: also the row as `gemm.decode_nvfp4(.., DBK)`
     gives it (fp16 code * block scale in the wide tile's layout) to o_row (cdiv(K, DBK) * DBK values; those
     past K are left as they are)."""
     if EVEN_K:
         for k0 in range(0, K, NB * 16):
-            _quantize_chunk(x_row, d_row, s_row, o_row, k0, K, gs, inv_gs, NB, False, DECODED, DBK)
+            _quantize_chunk(x_row, d_row, s_row, o_row, k0, K, gs, inv_gs, NB, False, DBK)
     else:
         whole = tl.multiple_of(K - K % (NB * 16), NB * 16)
         for k0 in range(0, whole, NB * 16):
-            _quantize_chunk(x_row, d_row, s_row, o_row, k0, K, gs, inv_gs, NB, False, DECODED, DBK)
+            _quantize_chunk(x_row, d_row, s_row, o_row, k0, K, gs, inv_gs, NB, False, DBK)
         if whole < K:
-            _quantize_chunk(x_row, d_row, s_row, o_row, whole, K, gs, inv_gs, NB, True, DECODED, DBK)
+            _quantize_chunk(x_row, d_row, s_row, o_row, whole, K, gs, inv_gs, NB, True, DBK)
 
 
 @triton.jit
@@ -210,16 +218,14 @@ def _quantize_kernel(
     gs = gs + tl.zeros([NB], dtype=tl.float32)
     inv_gs = tl.div_rn(tl.zeros([NB], dtype=tl.float32) + 1.0, gs)
     o_row = dec_ptr + row * ((K + DBK - 1) // DBK * DBK)
-    quantize_row(x_row, data_ptr + row * stride_data, scale_ptr + row * stride_scale, o_row, K, gs, inv_gs, NB, EVEN_K,
-                 DBK > 1, DBK)
+    quantize_row(x_row, data_ptr + row * stride_data, scale_ptr + row * stride_scale, o_row, K, gs, inv_gs, NB, EVEN_K, DBK)
 
 
 @triton.jit
-def _quantize_many_kernel(meta_ptr, row_tensor_ptr, gs_ptr, XDT: tl.constexpr, NB: tl.constexpr, DECODED: tl.constexpr,
-                          DBK: tl.constexpr):
+def _quantize_many_kernel(meta_ptr, row_tensor_ptr, gs_ptr, XDT: tl.constexpr, NB: tl.constexpr, DBK: tl.constexpr):
     """One program per row of many tensors, their rows numbered in tensor order: the row's tensor t
     (row_tensor), t's x / packed / scale-byte addresses, K, first row and decoded-output address (meta [n, 6]
-    int64), and t's global scale gs[t]; then `_quantize_kernel`'s walk over the row (DECODED: which also
+    int64), and t's global scale gs[t]; then `_quantize_kernel`'s walk over the row (DBK > 1: which also
     writes the row's decoded form)."""
     row = tl.program_id(0).to(tl.int64)
     t = tl.load(row_tensor_ptr + row)
@@ -234,7 +240,7 @@ def _quantize_many_kernel(meta_ptr, row_tensor_ptr, gs_ptr, XDT: tl.constexpr, N
     o_row = tl.load(m + 5).to(tl.pointer_type(tl.float16)) + r * ((k + DBK - 1) // DBK * DBK)
     gs = tl.load(gs_ptr + t) + tl.zeros([NB], dtype=tl.float32)
     inv_gs = tl.div_rn(tl.zeros([NB], dtype=tl.float32) + 1.0, gs)
-    quantize_row(x_row, d_row, s_row, o_row, k, gs, inv_gs, NB, False, DECODED, DBK)
+    quantize_row(x_row, d_row, s_row, o_row, k, gs, inv_gs, NB, False, DBK)
 
 
 ROW_TILE_MAX = 16384  # rows up to this long sit whole in one program's registers (<= 32 fp32 a thread at 16 warps)
@@ -266,7 +272,7 @@ def nvfp4_buffers(r: int, k: int, device, row_scales: bool = True) -> tuple:
 
 def decode_buffer(r: int, k: int, device) -> torch.Tensor:
     """fp16 [r, cdiv(k, DBK) * DBK], DBK = `gemm.fp4_block_k()`, for the decoded form of r rows of k values
-    (`quantize_row`'s DECODED output): zeros past k, which the kernel does not write."""
+    (the quantize kernels' decoded output, DBK > 1): zeros past k, which the kernel does not write."""
     dbk = fp4_block_k()
     kp = triton.cdiv(k, dbk) * dbk
     return (torch.empty if kp == k else torch.zeros)(r, kp, dtype=torch.float16, device=device)
@@ -354,7 +360,7 @@ def quantize_many_triton(tensors: list, global_scales: torch.Tensor, decoded: bo
                                                        output_size=total)
         nb = min(64, triton.next_power_of_2(max(t.shape[1] for t in ts) // BLOCK))
         _quantize_many_kernel[(total,)](meta_t, _ROW_TENSOR[key], global_scales.reshape(-1).float().contiguous(),
-                                        XDT=_TL_DTYPES[first.dtype], NB=nb, DECODED=decoded, DBK=fp4_block_k(),
+                                        XDT=_TL_DTYPES[first.dtype], NB=nb, DBK=fp4_block_k() if decoded else 1,
                                         num_warps=4)
     return [as_nvfp4((data, scale, None), tuple(t.shape), global_scales[i], decoded=dec)
             for i, (t, (data, scale), dec) in enumerate(zip(tensors, outs, decs))]
