@@ -99,7 +99,8 @@ def store_decoded(o_ptr, off, kb, K, even, odd, s_code, DBK: tl.constexpr):
     odd: the blocks' E2M1 codes [B, 8], s_code their E4M3 scale bytes [B]; kb [B] each block's first k (blocks
     at kb >= K are not written), off [B] the offset from o_ptr of its row's decoded start."""
     s16 = e4m3_to_fp16(s_code.to(tl.int16))[:, None]
-    offs = (off + (kb // DBK) * DBK + (kb % DBK) // 2)[:, None] + tl.arange(0, 8)[None, :]
+    start = tl.multiple_of(off + (kb // DBK) * DBK + (kb % DBK) // 2, 8)  # (so each block's 8 values store as one)
+    offs = start[:, None] + tl.arange(0, 8)[None, :]
     ok = (kb < K)[:, None]
     tl.store(o_ptr + offs, e2m1_to_fp16(even.to(tl.int16)) * s16, mask=ok)
     tl.store(o_ptr + offs + DBK // 2, e2m1_to_fp16(odd.to(tl.int16)) * s16, mask=ok)
@@ -237,7 +238,8 @@ def _quantize_many_kernel(meta_ptr, row_tensor_ptr, gs_ptr, XDT: tl.constexpr, N
     x_row = tl.multiple_of(tl.load(m).to(tl.pointer_type(XDT)), 16) + tl.multiple_of(r * k, 16)
     d_row = tl.multiple_of(tl.load(m + 1).to(tl.pointer_type(tl.uint8)), 16) + tl.multiple_of(r * (k // 2), 8)
     s_row = tl.load(m + 2).to(tl.pointer_type(tl.uint8)) + r * (k // 16)
-    o_row = tl.load(m + 5).to(tl.pointer_type(tl.float16)) + r * ((k + DBK - 1) // DBK * DBK)
+    o_row = (tl.multiple_of(tl.load(m + 5).to(tl.pointer_type(tl.float16)), 16)  # (a fresh allocation: aligned)
+             + tl.multiple_of(r * ((k + DBK - 1) // DBK * DBK), 16))
     gs = tl.load(gs_ptr + t) + tl.zeros([NB], dtype=tl.float32)
     inv_gs = tl.div_rn(tl.zeros([NB], dtype=tl.float32) + 1.0, gs)
     quantize_row(x_row, d_row, s_row, o_row, k, gs, inv_gs, NB, False, DBK)
