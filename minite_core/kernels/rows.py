@@ -73,7 +73,11 @@ def round_to(x, dtype: tl.constexpr):
 # ------------------------------------------------------------------------------------------- RMSNorm
 @triton.jit
 def rms_rstd(xf, nf, eps):
-    """1 / sqrt(mean(x^2) + eps) of each row of an fp32 tile (zeros past the row's nf values): one `tl.sum`."""
+    """1 / sqrt(mean(x^2) + eps) of each row of an fp32 tile (zeros past the row's nf values): one `tl.sum`.
+    Kernels that call it launch with `enable_fp_fusion=False`: with FMA contraction on, ptxas fuses a square
+    into the first add of the sum, and which of the two squares it fuses depends on the code around it, so
+    the fused-quantize and plain variants of the same norm differed in a row's rstd by an ulp (fp32 on an
+    H100, 2026-12-06: the sum began fma(x0, x0, x1 * x1) in one and fma(x1, x1, x0 * x0) in the other)."""
     ss = tl.sum(xf * xf, axis=1)
     return tl.math.rsqrt(tl.div_rn(ss, nf + tl.zeros_like(ss)) + eps)
 
@@ -179,7 +183,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize
             x2, w, y, rstd, *_quantize_args(q, y), d2 if d2 is not None else x2, xs if xs is not None else y, r, n,
             x2.stride(0), y.stride(0), d2.stride(0) if d2 is not None else 0, float(n), float(eps),
             ROWS=rows, BLOCK=block, QUANT=quantize, RESIDUAL=delta is not None, DBK=_dbk(q), num_warps=warps,
-            **pdl.launch(x.device))
+            enable_fp_fusion=False, **pdl.launch(x.device))
     return y.reshape(*x.shape[:-1], n), rstd, q, (xs.reshape(x.shape) if xs is not None else None)
 
 
