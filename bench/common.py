@@ -43,7 +43,7 @@ KERNEL_FAMILIES = (
     ("Triton GEMM (W4A4, plain)", ("_gemm_kernel", "_combine_kernel", "_grouped_kernel")),
     ("FP4 decode, dequantize", ("_decode_kernel", "_dequantize_kernel")),
     ("norms, SiLU, RoPE (quantizing or not)", ("_rms_norm", "_silu_mul", "_qk_norm_rope", "_rope_kernel")),
-    ("quantize (NVFP4, e4m3)", ("_quantize_kernel", "_quantize_rows_kernel", "_quantize_many_kernel", "_e4m3_rows_kernel")),
+    ("quantize (NVFP4, e4m3)", ("_quantize_kernel", "_quantize_many_kernel", "_e4m3_rows_kernel")),
     ("logprobs (lse, token)", ("_lse_kernel", "_token_logprob")),
     ("attention", ("_attention_kernel", "flash", "fmha", "attention", "sdpa")),
     ("cuBLAS / cuBLASLt GEMM", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "sm80_")),

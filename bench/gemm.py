@@ -50,8 +50,7 @@ from minite_core import nvfp4, ops  # noqa: E402
 from minite_core.kernels import gemm as gemm_mod  # noqa: E402
 from minite_core.kernels import grouped_gemm as gg  # noqa: E402
 from minite_core.kernels import pdl  # noqa: E402
-from minite_core.kernels.quantize import WHOLE_ROWS, quantize_triton  # noqa: E402
-from minite_core.kernels.rows import silu_mul_forward  # noqa: E402
+from minite_core.kernels.quantize import quantize_triton  # noqa: E402
 
 # a dense projection; a MoE expert's gate_up (Qwen3-30B-A3B); Qwen3-0.6B's k/v projection (decode: S = 8 K chunks)
 SHAPES = [(12288, 4096), (1536, 2048), (1024, 1024)]
@@ -205,19 +204,12 @@ def quantize_bandwidth() -> dict:
     x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(x)
     t_copy = bench(lambda: dst.copy_(x))
-    t_walk = bench(lambda: quantize_triton(x, None, whole_rows=False))  # the chunk walk (x read twice)
-    t_rows = bench(lambda: quantize_triton(x, None, whole_rows=True))  # whole rows in one tile (x read once)
+    t_q = bench(lambda: quantize_triton(x, None))
+    t_dec = bench(lambda: quantize_triton(x, None, decoded=True))  # with the decoded form (the learner's wide tiles)
     copy_bytes = 2 * x.numel() * x.element_size()
     q_bytes = x.numel() * x.element_size() + x.numel() // 2 + x.numel() // 16 + 4 * x.shape[0]
-    # SiLU * up + quantize of the 0.6B MLP at the learner's 4 x 2048 rows, both ways: us (reads gate and up, writes
-    # out and its NVFP4; the walk computes out twice)
-    gate, up = (torch.randn(8192, 3072, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    silu = {w: bench(lambda w=w: silu_mul_forward(gate, up, True, whole_rows=w)) * 1e6 for w in (False, True)}
-    t_q = t_rows if WHOLE_ROWS else t_walk
     return {"copy_GBps": copy_bytes / t_copy / 1e9, "quantize_GBps": q_bytes / t_q / 1e9,
-            "ratio": (q_bytes / t_q) / (copy_bytes / t_copy), "walk_ratio": (q_bytes / t_walk) / (copy_bytes / t_copy),
-            "whole_rows_ratio": (q_bytes / t_rows) / (copy_bytes / t_copy), "whole_rows_default": WHOLE_ROWS,
-            "silu_quantize_walk_us": silu[False], "silu_quantize_whole_rows_us": silu[True]}
+            "ratio": (q_bytes / t_q) / (copy_bytes / t_copy), "decoded_too_us": t_dec * 1e6, "quantize_us": t_q * 1e6}
 
 
 SWEEP = [  # fixed configs to compare (BLOCK_K must stay 128: the K order is shared by all M buckets)
@@ -474,9 +466,7 @@ def main():
             print(f"walk {r['N']:5d} {r['K']:5d} {r['M']:5d} {r['S']:2d} | gemm only {us(r['minite-gemm'])}us, with the select walk"
                   f" {us(r['minite-gemm-select-walk'])}us, same bits: {r['select-walk-same-bits']}")
     print(f"\nquantize 8192x4096 bf16: {qbw['quantize_GBps']:.0f} GB/s vs copy {qbw['copy_GBps']:.0f} GB/s = {qbw['ratio']:.2f}"
-          f" (chunk walk {qbw['walk_ratio']:.2f}, whole rows {qbw['whole_rows_ratio']:.2f}; default whole rows:"
-          f" {qbw['whole_rows_default']}); SiLU*up + quantize 8192x3072: walk {qbw['silu_quantize_walk_us']:.1f} us,"
-          f" whole rows {qbw['silu_quantize_whole_rows_us']:.1f} us")
+          f" ({qbw['quantize_us']:.1f} us; writing the decoded form too: {qbw['decoded_too_us']:.1f} us)")
     print("\nmodel    M | cuBLAS bf16 | minite bf16 | nvfp4 before | nvfp4 now | now vs before | now vs minite bf16 | with PDL: bf16, nvfp4 | nvfp4 x decoded | nvfp4 S = 1"
           " (a layer's linears)")
     for r in layer:

@@ -208,15 +208,9 @@ def sm90_cases() -> list[tuple]:
         cases.append((f"add_rms_norm_quantize_N{n_}", rows_mod._rms_norm_fwd_kernel,
                       dict(ROWS=rows_, BLOCK=block, QUANT=True, RESIDUAL=True, DBK=128),  # (with the decoded form)
                       dict(BLOCK_M=rows_, BLOCK_N=block, BLOCK_K=16, num_warps=warps, num_stages=1), (), rows_))
-    for n_ in (3072, 6144):
-        rows_, block, warps = qmod.row_tile(n_)
-        cases.append((f"silu_mul_quantize_N{n_}", rows_mod._silu_mul_quantize_rows_kernel, dict(ROWS=rows_, BLOCK=block, DBK=128),
-                      dict(BLOCK_M=rows_, BLOCK_N=block, BLOCK_K=16, num_warps=warps, num_stages=1), (), rows_))
-    cases.append(("silu_mul_quantize_walk", rows_mod._silu_mul_quantize_kernel, dict(NB=64, EVEN=True, DBK=128),
-                  dict(BLOCK_M=1, BLOCK_N=1024, BLOCK_K=16, num_warps=4, num_stages=1), (), 1))
-    rows_, block, warps = qmod.row_tile(4096)  # bench/gemm.py's quantize bandwidth: 8192 x 4096 bf16
-    cases.append(("quantize_rows_K4096", qmod._quantize_rows_kernel, dict(ROWS=rows_, BLOCK=block, DBK=1),
-                  dict(BLOCK_M=rows_, BLOCK_N=block, BLOCK_K=16, num_warps=warps, num_stages=1), (), rows_))
+    for n_ in (3072, 6144):  # with the decoded form, as the learner's wide tiles take it
+        cases.append((f"silu_mul_quantize_N{n_}", rows_mod._silu_mul_quantize_kernel, dict(NB=64, EVEN=True, DBK=128),
+                      dict(BLOCK_M=1, BLOCK_N=1024, BLOCK_K=16, num_warps=4, num_stages=1), (), 1))
     for to_cache in (False, True):  # Qwen3-0.6B heads: 16 q, 8 k/v, head_dim 128
         cases.append((f"qk_norm_rope_{'cache' if to_cache else 'buffers'}", qkr_mod._qk_norm_rope_kernel,
                       dict(BLOCK_H=16, D=128, TO_CACHE=to_cache, NORM_OUT=False),

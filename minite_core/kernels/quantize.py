@@ -1,22 +1,20 @@
 """Fused NVFP4 activation quantize (Triton): fp32/bf16/fp16 rows -> packed E2M1 + E4M3 scales + global scale;
 and its inverse, `dequantize_triton`.
 
-With per-row global scales and rows of at most ROW_TILE_MAX values (every activation of the Qwen3
-configs), a program holds ROWS whole rows in registers as a [ROWS, BLOCK] tile (`row_tile`, a function of K
-only): it reads them once, reduces each row's amax (a row-local max, so the result cannot depend on the
-batch), writes the row's global scale amax / 2688, and computes every block's scale and codes from the
-same registers (`quantize_rows`; the RMSNorm and SiLU * up kernels quantize their outputs through it).
-Longer rows, or a given global scale, are walked in chunks of NB blocks held as an [NB, 16] tile, one
-row per program (an amax pass first in row mode). Either way, per 16-element block, the block scale and
-the codes are computed exactly as `minite_core.nvfp4.quantize` does: every division is IEEE
-round-to-nearest (`tl.div_rn`; a plain `/` may lower to an approximate division on the GPU), the E4M3
-rounding of the block scale is done on the fp32 bits (no reliance on the target's fp8 conversion), and
-E2M1 rounding counts thresholds with ties to even. The output is bit-identical to the torch backend,
+One program takes one row. In row mode it first reduces the row's amax (a row-local max, so the result
+cannot depend on the batch) and writes the row's global scale amax / 2688; then it walks K in chunks of NB
+blocks held as an [NB, 16] tile. (Reading the row once into one tile instead, `quantize_rows`, which the
+RMSNorm kernel quantizes its output with, measured no faster as a standalone quantize: 0.68 of copy
+bandwidth vs the walk's 0.69 on an H100, slower on the H200 of 2026-12-04; docs/benchmarks.md.)
+Per 16-element block, the block scale and the codes are computed exactly as `minite_core.nvfp4.quantize`
+does: every division is IEEE round-to-nearest (`tl.div_rn`; a plain `/` may lower to an approximate
+division on the GPU), the E4M3 rounding of the block scale is done on the fp32 bits (no reliance on the
+target's fp8 conversion), and E2M1 rounding counts thresholds with ties to even. The output is bit-identical to the torch backend,
 which tests check on CPU (interpreter) and GPU. `quantize_many_triton` runs the chunk walk
 (`quantize_row`) over the rows of many tensors in one launch, each with its own global scale (the
 learner's re-quantize of all its weights).
 
-Every quantize (this module's, and the RMSNorm / SiLU * up kernels' through `quantize_rows`) can also write
+Every quantize (this module's, the RMSNorm's through `quantize_rows`, SiLU * up's) can also write
 the decoded form of what it quantized (`store_decoded`, `NVFP4Tensor.decoded`: fp16 code * block scale, in
 the wide GEMM tile's layout, with the GEMM's own decode, so exactly the values the GEMM would decode): for
 the learner's weights (once per version) and for activations whose rows meet the decoded wide tiles, so
@@ -132,21 +130,6 @@ def quantize_rows(v, rows64, row_ok, N, Q, QS, QGS, ROWS: tl.constexpr, BLOCK: t
 
 
 @triton.jit
-def _quantize_rows_kernel(X, Q, QS, QGS, QD, R, K, sx, ROWS: tl.constexpr, BLOCK: tl.constexpr, DBK: tl.constexpr,
-                          PDL: tl.constexpr):
-    """ROWS whole rows per program, each read once into a [ROWS, BLOCK] tile (`row_tile`), then
-    `quantize_rows`: the row's amax and its codes from the same registers (the chunk walk reads x twice)."""
-    if PDL:  # first: before any global memory access (kernels/pdl.py)
-        pdl.prologue()
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK)
-    row_ok = rows < R
-    rows64 = rows.to(tl.int64)
-    v = tl.load(X + rows64[:, None] * sx + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :], other=0.0)
-    quantize_rows(v.to(tl.float32), rows64, row_ok, K, Q, QS, QGS, ROWS, BLOCK, QD, DBK)
-
-
-@triton.jit
 def _quantize_chunk(x_row, d_row, s_row, o_row, k0, K, gs, inv_gs, NB: tl.constexpr, MASKED: tl.constexpr,
                     DBK: tl.constexpr):
     """The NB blocks of a row from k0 (MASKED: those past K left out); DBK > 1: their decoded form to o_row
@@ -245,17 +228,10 @@ def _quantize_many_kernel(meta_ptr, row_tensor_ptr, gs_ptr, XDT: tl.constexpr, N
     quantize_row(x_row, d_row, s_row, o_row, k, gs, inv_gs, NB, False, DBK)
 
 
-ROW_TILE_MAX = 16384  # rows up to this long sit whole in one program's registers (<= 32 fp32 a thread at 16 warps)
-# The activation quantize (and SiLU * up's) with per-row scales: whole rows in one tile, or the chunk walk. The
-# walk reads x twice, yet on the H200 (2026-12-04, before `e2m1_round`) whole rows measured slower (0.26-0.37 of
-# copy bandwidth vs 0.35-0.38): the walk stays the default until bench/gemm.py, which times both, says otherwise.
-WHOLE_ROWS = False
-
-
 def row_tile(n: int) -> tuple[int, int, int]:
-    """(ROWS, BLOCK, num_warps) of a program that holds ROWS whole rows of n (n <= ROW_TILE_MAX) as a [ROWS, BLOCK]
-    tile, BLOCK = next_power_of_two(n): a function of n only (never of the row count), shared by the row
-    kernels (RMSNorm, SiLU * up, the quantize)."""
+    """(ROWS, BLOCK, num_warps) of a program that holds ROWS whole rows of n as a [ROWS, BLOCK] tile, BLOCK =
+    next_power_of_two(n): a function of n only (never of the row count), for the row kernels (RMSNorm and
+    its quantize, `quantize_rows`)."""
     block = triton.next_power_of_2(n)
     if interpreting():
         return 4, block, 4
@@ -291,12 +267,10 @@ def as_nvfp4(parts: tuple, shape: tuple, global_scale: torch.Tensor | None = Non
                        gs.reshape(lead + (1,)) if global_scale is None else global_scale, tuple(shape), decoded)
 
 
-def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None, whole_rows: bool = WHOLE_ROWS,
-                    decoded: bool = False) -> NVFP4Tensor:
+def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None, decoded: bool = False) -> NVFP4Tensor:
     """Quantize x [..., K] with per-row global scales (global_scale None) or a given scalar/[.., 1] one.
-    `whole_rows`: rows up to ROW_TILE_MAX read once into one tile (`quantize_rows`) instead of walked in chunks
-    (the same bits; see WHOLE_ROWS). `decoded`: the result carries its decoded form (`NVFP4Tensor.decoded`),
-    written by the same kernel, for the wide GEMM tiles."""
+    `decoded`: the result carries its decoded form (`NVFP4Tensor.decoded`), written by the same kernel, for
+    the wide GEMM tiles."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -308,13 +282,6 @@ def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None, whole_ro
     if global_scale is not None:
         gs = global_scale.reshape(-1).contiguous()
         stride_gs = 0 if gs.numel() == 1 else 1
-    if whole_rows and global_scale is None and k <= ROW_TILE_MAX:
-        if r:
-            rows, block, warps = row_tile(k)
-            _quantize_rows_kernel[(triton.cdiv(r, rows),)](x2, data, scale, gs, data if dec is None else dec, r, k,
-                                                           x2.stride(0), ROWS=rows, BLOCK=block, DBK=dbk,
-                                                           num_warps=warps, **pdl.launch(x.device))
-        return as_nvfp4((data, scale, gs), tuple(x.shape), decoded=dec)
     nb = min(64, triton.next_power_of_2(k // BLOCK))
     if r:
         _quantize_kernel[(r,)](

@@ -36,9 +36,9 @@ Fused for the decode step (one launch instead of a chain; the same arithmetic, t
 RMSNorm with the residual add in front (`delta`: s = x + delta rounded to x's dtype, as torch adds, written
 out as the new residual stream) and/or the NVFP4 quantize of its output behind (`quantize_rows`, the
 quantize kernel's `quantize_codes`: maxima and elementwise operations only, so the bits of
-`quantize_triton(y)`); SiLU * up with the quantize of its output (a row per program, two walks over it, amax then values and
-codes; or, `whole_rows`, the row once in one tile as the norm). The q/k norm + RoPE fusion is `kernels/qk_norm_rope.py`, built from
-this module's helpers (`rms_rstd`, `rms_scale`, `rope_rotate`) and backward kernels.
+`quantize_triton(y)`); SiLU * up with the quantize of its output (a row per program, two walks over the row: amax, then values
+and codes; one tile of whole rows, as the norm, measured slower). The q/k norm + RoPE fusion is
+`kernels/qk_norm_rope.py`, built from this module's helpers (`rms_rstd`, `rms_scale`, `rope_rotate`) and backward kernels.
 
 Every rounding to the output dtype goes through `round_to`: the interpreter's fp32 -> bf16 cast truncates
 where the GPU's rounds to nearest even, so bf16 is rounded by hand first (then the cast is exact, and the
@@ -56,8 +56,8 @@ import triton.language as tl
 from ..nvfp4 import BLOCK as QBLOCK
 from . import pdl
 from .gemm import fp4_block_k, interpreting
-from .quantize import (ROW_TILE_MAX, WHOLE_ROWS, decode_buffer, nvfp4_buffers, quantize_codes, quantize_rows,
-                       row_global_scale, row_tile, store_decoded)
+from .quantize import (decode_buffer, nvfp4_buffers, quantize_codes, quantize_rows, row_global_scale, row_tile,
+                       store_decoded)
 
 
 @triton.jit
@@ -272,29 +272,9 @@ def _silu_mul_chunk(GATE, UP, base, offs, N, EVEN: tl.constexpr, dtype: tl.const
 
 
 @triton.jit
-def _silu_mul_quantize_rows_kernel(GATE, UP, OUT, Q, QS, QGS, QD, R, N, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                                   DBK: tl.constexpr, PDL: tl.constexpr):
-    """ROWS whole rows per program (contiguous rows of N <= ROW_TILE_MAX, a multiple of 16; `row_tile`): out =
-    silu(gate) * up as the elementwise kernel, read and computed once, written, and quantized from the same
-    registers (`quantize_rows`)."""
-    if PDL:  # first: before any global memory access (kernels/pdl.py)
-        pdl.prologue()
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK)
-    row_ok = rows < R
-    rows64 = rows.to(tl.int64)
-    mask = row_ok[:, None] & (cols < N)[None, :]
-    offs = rows64[:, None] * N + cols[None, :]
-    out = silu_mul_value(tl.load(GATE + offs, mask=mask, other=0.0), tl.load(UP + offs, mask=mask, other=0.0),
-                         OUT.dtype.element_ty)
-    tl.store(OUT + offs, out, mask=mask)
-    quantize_rows(out.to(tl.float32), rows64, row_ok, N, Q, QS, QGS, ROWS, BLOCK, QD, DBK)
-
-
-@triton.jit
 def _silu_mul_quantize_kernel(GATE, UP, OUT, Q, QS, QGS, QD, N, NB: tl.constexpr, EVEN: tl.constexpr, DBK: tl.constexpr,
                               PDL: tl.constexpr):
-    """Rows longer than ROW_TILE_MAX: one row per program (contiguous rows of N, a multiple of 16): out = silu(gate) * up as the elementwise
+    """One row per program (contiguous rows of N, a multiple of 16): out = silu(gate) * up as the elementwise
     kernel, and out's NVFP4 with a per-row global scale: a first walk over the row's chunks of NB blocks for
     the row's max |out|, a second that writes out and quantizes it (`quantize_codes`), computing out again
     (the same elementwise operations, so the same values) instead of reading it back."""
@@ -345,12 +325,10 @@ def _elementwise_block() -> int:
     return 256 if interpreting() else 1024
 
 
-def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False, whole_rows: bool = WHOLE_ROWS,
-                     decoded: bool = False):
+def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, quantize: bool = False, decoded: bool = False):
     """silu(gate) * up in fp32, rounded once to gate's dtype; with `quantize` -> (out, its NVFP4 with per-row
     global scales as (packed, scale bytes, global scales[, its decoded form with `decoded`])), the last
-    dimension a multiple of 16. `whole_rows`: rows up to ROW_TILE_MAX computed once in one tile instead of
-    twice in a chunk walk (the same bits; `quantize.WHOLE_ROWS`)."""
+    dimension a multiple of 16."""
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)
     if not quantize:
@@ -362,12 +340,7 @@ def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, quantize: bool = Fals
     n = gate.shape[-1]
     r = gate.numel() // n if n else 0
     q = _quantize_buffers(r, n, gate.device, decoded)
-    if r and n and whole_rows and n <= ROW_TILE_MAX:
-        rows, block, warps = row_tile(n)
-        _silu_mul_quantize_rows_kernel[(triton.cdiv(r, rows),)](gate, up, out, *_quantize_args(q, out), r, n, ROWS=rows,
-                                                                BLOCK=block, DBK=_dbk(q), num_warps=warps,
-                                                                **pdl.launch(gate.device))
-    elif r and n:
+    if r and n:
         nb = min(16 if interpreting() else 64, triton.next_power_of_2(n // QBLOCK))
         _silu_mul_quantize_kernel[(r,)](gate, up, out, *_quantize_args(q, out), n, NB=nb, EVEN=n % (nb * QBLOCK) == 0,
                                         DBK=_dbk(q), num_warps=4, **pdl.launch(gate.device))

@@ -12,8 +12,8 @@ from tests.sm90 import run_compile_script
 # the activation quantize)
 DECODE_CHAIN = {f"minite_core.kernels.{k}" for k in (
     "gemm._gemm_kernel", "rows._rms_norm_fwd_kernel", "rows._silu_mul_fwd_kernel", "rows._silu_mul_quantize_kernel",
-    "rows._silu_mul_quantize_rows_kernel", "quantize._quantize_kernel", "quantize._quantize_rows_kernel",
-    "qk_norm_rope._qk_norm_rope_kernel", "attention._attention_kernel", "attention._combine_kernel")}
+    "quantize._quantize_kernel", "qk_norm_rope._qk_norm_rope_kernel", "attention._attention_kernel",
+    "attention._combine_kernel")}
 
 SCRIPT = r"""
 import importlib, json, pkgutil, re
