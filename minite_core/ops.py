@@ -24,7 +24,6 @@ counts what a decode step launches.
 from __future__ import annotations
 
 import dataclasses
-
 import os
 from typing import NamedTuple
 
@@ -98,7 +97,7 @@ def quantize_weights(tensors: list, *, backend: str | None = None, decoded: bool
     reduction (max |x| is exact, so the global scales are the same), all the weights in one kernel launch
     (`quantize_many_triton`), then one finiteness check and host sync for all of them (an amax is finite iff
     its tensor is; checked after the launch, so the GPU quantizes while the host waits): no `abs()` /
-    `isfinite()` copies of the weights, no sync and no launch per weight; `decoded`: the 2-D weights carry
+    `isfinite()` copies of the weights, no sync and no launch per weight; `decoded`: the weights carry
     their decoded form for the wide GEMM tiles (`NVFP4Tensor.decoded`), from the same launch. Torch
     backend: `quantize` each (its GEMM reads the codes)."""
     backend = resolve_backend(backend)

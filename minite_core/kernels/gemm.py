@@ -571,6 +571,19 @@ SWAP_CONFIGS = {  # BLOCK_M (the swapped MMA's N) -> the rest of the tile; BLOCK
     128: dict(BLOCK_N=64, num_warps=4, num_stages=3),  # 255 registers, no spill; 8 warps: 35 barriers per K step
 }
 FP4_BLOCK_K = 128  # the K order of every W4A4 config on the GPU (never per M)
+# M > SWAP_MAX_M (compute-bound: prefill, the learner): both operands decoded once into fp16 (`decode_nvfp4`,
+# ~2.5 bytes per element read and written, or written by the kernel that quantized them: `NVFP4Tensor.decoded`)
+# and the walk run on them (`w4a4_tile` with DECODED): the same values in the same dots, so the same bits,
+# without the per-tile decode that holds the packed kernel to ~0.3x of a bf16 GEMM. The small-M tiles keep the
+# packed operands (bandwidth-bound: 0.56 bytes a weight).
+DECODE_WIDE = True
+# M <= SWAP_MAX_M: from this M up, the activation is decoded once (`decode_nvfp4`, one more launch) instead of
+# in every program (each of a row tile's N-tile programs decodes the same x step: at M = 64 half of the
+# tile's decode work); the weights stay packed. The same values in the same dots, so the same bits. None:
+# off, until bench/gemm.py's `x decoded` columns show a gain on the GPU.
+DECODE_X_MIN_M: int | None = None
+DECODED_TILE = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)
+CONFIG_OVERRIDE: dict | None = None  # bench/gemm.py only: try other fixed configs
 
 
 def decodes_activation(m: int) -> bool:
@@ -585,18 +598,6 @@ def fp4_block_k() -> int:
     """The BLOCK_K of every W4A4 config here: FP4_BLOCK_K on the GPU, 64 under the interpreter (the CPU tests'
     smaller tiles, `_tile_config`); also the step of a weight's `decoded` form that the GEMM reads."""
     return 64 if interpreting() else FP4_BLOCK_K
-# M > SWAP_MAX_M (compute-bound: prefill, the learner): decode both operands once into fp16 (`decode_nvfp4`,
-# ~2.5 bytes per element read and written) and run the walk on them (`w4a4_tile` with DECODED): the same
-# values in the same dots, so the same bits, without the per-tile decode that holds the packed kernel to
-# ~0.3x of a bf16 GEMM. The small-M tiles keep the packed operands (bandwidth-bound: 0.56 bytes a weight).
-DECODE_WIDE = True
-# M <= SWAP_MAX_M: from this M up, the activation is decoded once (`decode_nvfp4`, one more launch) instead of
-# in every program (each of a row tile's N-tile programs decodes the same x step: at M = 64 half of the
-# tile's decode work); the weights stay packed. The same values in the same dots, so the same bits. None:
-# off, until bench/gemm.py's `x decoded` columns show a gain on the GPU.
-DECODE_X_MIN_M: int | None = None
-DECODED_TILE = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)
-CONFIG_OVERRIDE: dict | None = None  # bench/gemm.py only: try other fixed configs
 
 
 def swap_block_m(m: int) -> int:
