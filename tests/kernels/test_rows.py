@@ -95,7 +95,7 @@ def _same_nvfp4(a, b):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("n", [64, 208, 16400])  # (interpreter: 64 is whole quantize chunks, 208 and 16400 are not)
+@pytest.mark.parametrize("n", [64, 208])  # (interpreter: 64 is whole quantize chunks, 208 is not)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_ops_that_quantize_their_output(device, backend, n, dtype):
     """rms_norm / silu_mul with quantize=True: the op's own output (bits), and quantize() of it (bits), from
