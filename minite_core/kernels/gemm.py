@@ -647,10 +647,27 @@ def k_chunks(n: int, k: int) -> int:
     return s
 
 
+_CONFIGS: dict = {}  # gemm_config's results, by its arguments and the module settings it reads
+
+
 def gemm_config(m: int, n: int, k: int, fp4: bool) -> dict:
     """The tile configuration for (M, N, K). BLOCK_K and CHUNKS (the K chunks), and with them the
     reduction order, depend on (N, K) only; BLOCK_M, BLOCK_N, warps, stages, SWAP_AB and SPLIT (chunks in
-    separate programs + a combine kernel, or walked in one program) may depend on M."""
+    separate programs + a combine kernel, or walked in one program) may depend on M. Memoized (a fresh dict
+    each call): it runs for every weight of every linear call, and computing it took ~25 µs of host time
+    (`triton.cdiv` is a ~2 µs call), which a host-bound learner forward pays. The key holds every setting it
+    reads, so the benchmarks and tests that change one get the configs of the new value."""
+    key = (m, n, k, fp4, interpreting(), SMALL_M_TILES, SMALL_M_PLAIN, DECODE_WIDE, DECODE_X_MIN_M, SPLIT_K,
+           CHUNKS_OVERRIDE, MAX_CHUNKS, id(CONFIG_OVERRIDE), id(DECODED_TILE))
+    cfg = _CONFIGS.get(key)
+    if cfg is None:
+        if len(_CONFIGS) > 4096:  # (row counts vary from batch to batch: keep it bounded)
+            _CONFIGS.clear()
+        cfg = _CONFIGS[key] = _gemm_config(m, n, k, fp4)
+    return dict(cfg)
+
+
+def _gemm_config(m: int, n: int, k: int, fp4: bool) -> dict:
     cfg = _tile_config(m, n, k, fp4)
     if fp4:
         chunks = k_chunks(n, k)
