@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import CONFIGS, kernel_breakdown, kernel_intervals, make_config, profiled  # noqa: E402
+from minite_core.kernels import gemm  # noqa: E402
 from minite_core.model import load_model  # noqa: E402
 from minite_core.model.qwen3 import Qwen3Config  # noqa: E402
 from minite_core.model.random_init import random_checkpoint  # noqa: E402
@@ -82,7 +83,7 @@ class Phases:
 
 
 def minite_step_fn(path: Path, precision: str, batch: int, seq: int, knobs: dict, backward: str = "ste",
-                   phases: Phases | None = None):
+                   phases: Phases | None = None, decoded_once: bool = True):
     policy = load_model(path, precision=precision, backend="triton", device="cuda", knobs=knobs)
     policy.backward = backward  # the NVFP4 linears' gradient recipe (minite_core/backward.py)
     fp32 = load_model(path, precision="fp32", device="cuda")
@@ -97,13 +98,17 @@ def minite_step_fn(path: Path, precision: str, batch: int, seq: int, knobs: dict
     ph = phases or Phases()
 
     def step():
-        ph.start()
-        loss = -torch.cat(state.logprobs(prompts, completions)).mean()
-        ph.mark("forward")
-        state.optimize(loss, after_backward=lambda: ph.mark("backward"))
-        ph.mark("clip + AdamW")
-        state.requantize()
-        ph.mark("re-quantize")
+        gemm.OPERANDS_DECODED_ONCE = decoded_once  # (a bench-only module setting: this step's, then the default)
+        try:
+            ph.start()
+            loss = -torch.cat(state.logprobs(prompts, completions)).mean()
+            ph.mark("forward")
+            state.optimize(loss, after_backward=lambda: ph.mark("backward"))
+            ph.mark("clip + AdamW")
+            state.requantize()
+            ph.mark("re-quantize")
+        finally:
+            gemm.OPERANDS_DECODED_ONCE = True
     return step
 
 
@@ -155,6 +160,9 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--backward", default="", help="also time the NVFP4 step with these gradient recipes, e.g. fp8")
     ap.add_argument("--profile", action="store_true", help="print where each step spends GPU time, and how long the GPU idles")
+    ap.add_argument("--decode-per-call", action="store_true",
+                    help="also time NVFP4 with the wide tiles' operands decoded in the GEMM at every call (as before "
+                         "2026-12-06) instead of by the kernels that quantized them")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/learner.py needs a CUDA device")
@@ -168,6 +176,9 @@ def main() -> None:
                 for p in ("bf16", "nvfp4")]
         runs += [(f"minite-nvfp4-{b}-bwd", lambda ph, b=b: minite_step_fn(path, "nvfp4", args.batch, args.seq, knobs, b, ph))
                  for b in args.backward.split(",") if b and b != "ste"]
+        if args.decode_per_call:
+            runs.append(("minite-nvfp4-decode-per-call",
+                         lambda ph: minite_step_fn(path, "nvfp4", args.batch, args.seq, knobs, phases=ph, decoded_once=False)))
         if not args.skip_hf:
             runs.append(("hf-transformers-bf16", lambda ph: hf_step_fn(cfg, args.batch, args.seq, ph)))
         for name, build in runs:

@@ -103,6 +103,7 @@ def quantize_weights(tensors: list, *, backend: str | None = None, decoded: bool
     backend = resolve_backend(backend)
     if backend == "torch" or not tensors:
         return [quantize(t, scale_mode="tensor", backend=backend) for t in tensors]
+    from .kernels.gemm import OPERANDS_DECODED_ONCE
     from .kernels.quantize import quantize_many_triton
 
     for i, t in enumerate(tensors):
@@ -111,7 +112,8 @@ def quantize_weights(tensors: list, *, backend: str | None = None, decoded: bool
     if len({(t.dtype, t.device) for t in tensors}) > 1:
         raise ValueError("quantize_weights: the tensors must share one dtype and one device")
     amax = torch.stack([a.float() for a in torch._foreach_norm(list(tensors), float("inf"))])
-    out = quantize_many_triton([t.contiguous() for t in tensors], nvfp4.global_scale_from_amax(amax), decoded)
+    out = quantize_many_triton([t.contiguous() for t in tensors], nvfp4.global_scale_from_amax(amax),
+                               decoded and OPERANDS_DECODED_ONCE)
     if not bool(torch.isfinite(amax).all()):
         bad = [i for i, ok in enumerate(torch.isfinite(amax).tolist()) if not ok]
         raise ValueError(f"tensors {bad} contain NaN or Inf values")

@@ -584,6 +584,9 @@ DECODE_WIDE = True
 DECODE_X_MIN_M: int | None = None
 DECODED_TILE = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)
 CONFIG_OVERRIDE: dict | None = None  # bench/gemm.py only: try other fixed configs
+# The wide tiles' fp16 operands written by the kernels that quantized them (`NVFP4Tensor.decoded`); bench only:
+# False decodes them in the GEMM at every call again (the same bits), for bench/learner.py's comparison
+OPERANDS_DECODED_ONCE = True
 
 
 def decodes_activation(m: int) -> bool:
@@ -591,7 +594,7 @@ def decodes_activation(m: int) -> bool:
     or the swapped ones with DECODE_X_MIN_M): a function of M only, so the op that quantizes an activation
     can write its decoded form with the codes (`NVFP4Tensor.decoded`) and spare the GEMM a decode launch."""
     cfg = gemm_config(m, FP4_BLOCK_K, FP4_BLOCK_K, True)
-    return m > 0 and bool(cfg["DECODED"] or cfg["A_DECODED"])
+    return OPERANDS_DECODED_ONCE and m > 0 and bool(cfg["DECODED"] or cfg["A_DECODED"])
 
 
 def fp4_block_k() -> int:

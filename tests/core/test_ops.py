@@ -228,11 +228,16 @@ def test_wide_tiles_on_decoded_operands_equal_the_packed_kernel(monkeypatch, n, 
 @pytest.mark.gpu if HAS_CUDA else pytest.mark.interpreter
 @pytest.mark.skipif(not HAS_TRITON, reason="triton missing")
 @pytest.mark.parametrize("n,k,chunks", INVARIANCE_SHAPES, ids=lambda v: str(v))
-def test_a_weight_decoded_at_its_requantize_gives_the_gemm_its_bits(n, k, chunks):
+def test_a_weight_decoded_at_its_requantize_gives_the_gemm_its_bits(monkeypatch, n, k, chunks):
     """`ops.quantize_weights(..., decoded=True)` (the learner's re-quantize) hands each weight its decoded form,
     which the wide tiles read instead of decoding the weight: the same bits at every M bucket, and the same
-    bits as the weight quantized without it."""
+    bits as the weight quantized without it (or with the bench setting that turns the decoded forms off)."""
     from minite_core.kernels import gemm
+
+    with monkeypatch.context() as mp:
+        mp.setattr(gemm, "OPERANDS_DECODED_ONCE", False)
+        off, = ops.quantize_weights([_rand(n, k, seed=43) * 0.05], backend="triton", decoded=True)
+        assert off.decoded is None and not gemm.decodes_activation(200)
 
     master = _rand(n, k, seed=43) * 0.05
     plain, = ops.quantize_weights([master], backend="triton")
