@@ -204,7 +204,7 @@ def sm90_cases() -> list[tuple]:
         cases.append((name, gg._grouped_kernel, const, cfg, ("stride_ags", "stride_bgse", "stride_bgsn"), bm))
     # the row kernels that quantize their output (RMSNorm, SiLU * up) and the quantize kernel, 0.6B/1.7B widths
     for n_ in (1024, 2048):
-        rows_, block, warps = qmod.row_tile(n_)
+        rows_, block, warps = rows_mod.rms_norm_config(n_)
         cases.append((f"add_rms_norm_quantize_N{n_}", rows_mod._rms_norm_fwd_kernel,
                       dict(ROWS=rows_, BLOCK=block, QUANT=True, RESIDUAL=True, DBK=128),  # (with the decoded form)
                       dict(BLOCK_M=rows_, BLOCK_N=block, BLOCK_K=16, num_warps=warps, num_stages=1), (), rows_))

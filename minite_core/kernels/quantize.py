@@ -3,18 +3,18 @@ and its inverse, `dequantize_triton`.
 
 One program takes one row. In row mode it first reduces the row's amax (a row-local max, so the result
 cannot depend on the batch) and writes the row's global scale amax / 2688; then it walks K in chunks of NB
-blocks held as an [NB, 16] tile. (Reading the row once into one tile instead, `quantize_rows`, which the
-RMSNorm kernel quantizes its output with, measured no faster as a standalone quantize: 0.68 of copy
+blocks held as an [NB, 16] tile. (Reading the row once into one tile instead, as the RMSNorm kernel
+quantizes its output, `rows.quantize_rows`, measured no faster as a standalone quantize: 0.68 of copy
 bandwidth vs the walk's 0.69 on an H100, slower on the H200 of 2026-12-04; docs/benchmarks.md.)
 Per 16-element block, the block scale and the codes are computed exactly as `minite_core.nvfp4.quantize`
 does: every division is IEEE round-to-nearest (`tl.div_rn`; a plain `/` may lower to an approximate
 division on the GPU), the E4M3 rounding of the block scale is done on the fp32 bits (no reliance on the
-target's fp8 conversion), and E2M1 rounding counts thresholds with ties to even. The output is bit-identical to the torch backend,
-which tests check on CPU (interpreter) and GPU. `quantize_many_triton` runs the chunk walk
-(`quantize_row`) over the rows of many tensors in one launch, each with its own global scale (the
-learner's re-quantize of all its weights).
+target's fp8 conversion), and E2M1 rounding counts thresholds with ties to even. The output is
+bit-identical to the torch backend, which tests check on CPU (interpreter) and GPU. `quantize_many_triton`
+runs the chunk walk (`quantize_row`) over the rows of many tensors in one launch, each with its own global
+scale (the learner's re-quantize of all its weights).
 
-Every quantize (this module's, the RMSNorm's through `quantize_rows`, SiLU * up's) can also write
+Every quantize (this module's, the RMSNorm's and SiLU * up's in `kernels.rows`) can also write
 the decoded form of what it quantized (`store_decoded`, `NVFP4Tensor.decoded`: fp16 code * block scale, in
 the wide GEMM tile's layout, with the GEMM's own decode, so exactly the values the GEMM would decode): for
 the learner's weights (once per version) and for activations whose rows meet the decoded wide tiles, so
@@ -102,31 +102,6 @@ def store_decoded(o_ptr, off, kb, K, even, odd, s_code, DBK: tl.constexpr):
     ok = (kb < K)[:, None]
     tl.store(o_ptr + offs, e2m1_to_fp16(even.to(tl.int16)) * s16, mask=ok)
     tl.store(o_ptr + offs + DBK // 2, e2m1_to_fp16(odd.to(tl.int16)) * s16, mask=ok)
-
-
-@triton.jit
-def quantize_rows(v, rows64, row_ok, N, Q, QS, QGS, ROWS: tl.constexpr, BLOCK: tl.constexpr, QD, DBK: tl.constexpr):
-    """NVFP4 of whole rows held in a tile, v [ROWS, BLOCK] fp32 (zeros past N, N a multiple of 16), with per-row
-    global scales: packed bytes to Q [R, N/2], scale bytes to QS [R, N/16], global scales to QGS [R]. Only
-    maxima and elementwise operations (`quantize_codes`): the bits of the chunk walk (`quantize_row`) of the
-    same rows. DBK > 1: the rows' decoded form to QD too (`store_decoded`, rows of cdiv(N, DBK) * DBK)."""
-    gs = row_global_scale(tl.max(tl.abs(v), axis=1))
-    tl.store(QGS + rows64, gs, mask=row_ok)
-    gsb = tl.reshape(tl.broadcast_to(gs[:, None], [ROWS, BLOCK // 16]), [ROWS * (BLOCK // 16)])
-    even, odd, s_code = quantize_codes(tl.reshape(v, [ROWS * (BLOCK // 16), 16]), gsb, tl.div_rn(tl.zeros_like(gsb) + 1.0, gsb))
-    packed = even | (odd << 4)
-    if DBK > 1:
-        kb = tl.broadcast_to(tl.arange(0, BLOCK // 16)[None, :] * 16, [ROWS, BLOCK // 16])
-        kb = tl.where(row_ok[:, None], kb, N)  # (rows past R: not written)
-        off = tl.broadcast_to(rows64[:, None] * ((N + DBK - 1) // DBK * DBK), [ROWS, BLOCK // 16])
-        store_decoded(QD, tl.reshape(off, [ROWS * (BLOCK // 16)]), tl.reshape(kb, [ROWS * (BLOCK // 16)]), N,
-                      even, odd, s_code, DBK)
-    c8 = tl.arange(0, BLOCK // 2)
-    c16 = tl.arange(0, BLOCK // 16)
-    tl.store(Q + rows64[:, None] * (N // 2) + c8[None, :], tl.reshape(packed, [ROWS, BLOCK // 2]),
-             mask=row_ok[:, None] & (c8 < N // 2)[None, :])
-    tl.store(QS + rows64[:, None] * (N // 16) + c16[None, :], tl.reshape(s_code, [ROWS, BLOCK // 16]),
-             mask=row_ok[:, None] & (c16 < N // 16)[None, :])
 
 
 @triton.jit
@@ -226,18 +201,6 @@ def _quantize_many_kernel(meta_ptr, row_tensor_ptr, gs_ptr, XDT: tl.constexpr, N
     gs = tl.load(gs_ptr + t) + tl.zeros([NB], dtype=tl.float32)
     inv_gs = tl.div_rn(tl.zeros([NB], dtype=tl.float32) + 1.0, gs)
     quantize_row(x_row, d_row, s_row, o_row, k, gs, inv_gs, NB, False, DBK)
-
-
-def row_tile(n: int) -> tuple[int, int, int]:
-    """(ROWS, BLOCK, num_warps) of a program that holds ROWS whole rows of n as a [ROWS, BLOCK] tile, BLOCK =
-    next_power_of_two(n): a function of n only (never of the row count), for the row kernels (RMSNorm and
-    its quantize, `quantize_rows`)."""
-    block = triton.next_power_of_2(n)
-    if interpreting():
-        return 4, block, 4
-    rows = max(1, min(16, 2048 // block))
-    tile = rows * block
-    return rows, block, 4 if tile <= 2048 else 8 if tile <= 8192 else 16
 
 
 def nvfp4_buffers(r: int, k: int, device, row_scales: bool = True) -> tuple:

@@ -36,9 +36,10 @@ Fused for the decode step (one launch instead of a chain; the same arithmetic, t
 RMSNorm with the residual add in front (`delta`: s = x + delta rounded to x's dtype, as torch adds, written
 out as the new residual stream) and/or the NVFP4 quantize of its output behind (`quantize_rows`, the
 quantize kernel's `quantize_codes`: maxima and elementwise operations only, so the bits of
-`quantize_triton(y)`); SiLU * up with the quantize of its output (a row per program, two walks over the row: amax, then values
-and codes; one tile of whole rows, as the norm, measured slower). The q/k norm + RoPE fusion is
-`kernels/qk_norm_rope.py`, built from this module's helpers (`rms_rstd`, `rms_scale`, `rope_rotate`) and backward kernels.
+`quantize_triton(y)`); SiLU * up with the quantize of its output (a row per program, two walks over the
+row: amax, then values and codes; one tile of whole rows, as the norm, measured slower). The q/k norm +
+RoPE fusion is `kernels/qk_norm_rope.py`, built from this module's helpers (`rms_rstd`, `rms_scale`,
+`rope_rotate`) and backward kernels.
 
 Every rounding to the output dtype goes through `round_to`: the interpreter's fp32 -> bf16 cast truncates
 where the GPU's rounds to nearest even, so bf16 is rounded by hand first (then the cast is exact, and the
@@ -56,8 +57,7 @@ import triton.language as tl
 from ..nvfp4 import BLOCK as QBLOCK
 from . import pdl
 from .gemm import fp4_block_k, interpreting
-from .quantize import (decode_buffer, nvfp4_buffers, quantize_codes, quantize_rows, row_global_scale, row_tile,
-                       store_decoded)
+from .quantize import decode_buffer, nvfp4_buffers, quantize_codes, row_global_scale, store_decoded
 
 
 @triton.jit
@@ -118,6 +118,31 @@ def _rms_norm_fwd_kernel(X, W, Y, RSTD, Q, QS, QGS, QD, DELTA, XS, R, N, sx, sy,
 
 
 @triton.jit
+def quantize_rows(v, rows64, row_ok, N, Q, QS, QGS, ROWS: tl.constexpr, BLOCK: tl.constexpr, QD, DBK: tl.constexpr):
+    """NVFP4 of whole rows held in a tile, v [ROWS, BLOCK] fp32 (zeros past N, N a multiple of 16), with per-row
+    global scales: packed bytes to Q [R, N/2], scale bytes to QS [R, N/16], global scales to QGS [R]. Only
+    maxima and elementwise operations (`quantize_codes`): the bits of `quantize_triton` of the same rows.
+    DBK > 1: the rows' decoded form to QD too (`store_decoded`, rows of cdiv(N, DBK) * DBK)."""
+    gs = row_global_scale(tl.max(tl.abs(v), axis=1))
+    tl.store(QGS + rows64, gs, mask=row_ok)
+    gsb = tl.reshape(tl.broadcast_to(gs[:, None], [ROWS, BLOCK // 16]), [ROWS * (BLOCK // 16)])
+    even, odd, s_code = quantize_codes(tl.reshape(v, [ROWS * (BLOCK // 16), 16]), gsb, tl.div_rn(tl.zeros_like(gsb) + 1.0, gsb))
+    packed = even | (odd << 4)
+    if DBK > 1:
+        kb = tl.broadcast_to(tl.arange(0, BLOCK // 16)[None, :] * 16, [ROWS, BLOCK // 16])
+        kb = tl.where(row_ok[:, None], kb, N)  # (rows past R: not written)
+        off = tl.broadcast_to(rows64[:, None] * ((N + DBK - 1) // DBK * DBK), [ROWS, BLOCK // 16])
+        store_decoded(QD, tl.reshape(off, [ROWS * (BLOCK // 16)]), tl.reshape(kb, [ROWS * (BLOCK // 16)]), N,
+                      even, odd, s_code, DBK)
+    c8 = tl.arange(0, BLOCK // 2)
+    c16 = tl.arange(0, BLOCK // 16)
+    tl.store(Q + rows64[:, None] * (N // 2) + c8[None, :], tl.reshape(packed, [ROWS, BLOCK // 2]),
+             mask=row_ok[:, None] & (c8 < N // 2)[None, :])
+    tl.store(QS + rows64[:, None] * (N // 16) + c16[None, :], tl.reshape(s_code, [ROWS, BLOCK // 16]),
+             mask=row_ok[:, None] & (c16 < N // 16)[None, :])
+
+
+@triton.jit
 def _rms_norm_bwd_kernel(X, W, G, RSTD, DX, DW, R, N, sx, sg, sdx, nf, TILES,
                          ROWS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
@@ -142,6 +167,16 @@ def _rms_norm_bwd_kernel(X, W, G, RSTD, DX, DW, R, N, sx, sg, sdx, nf, TILES,
     tl.store(DW + pid.to(tl.int64) * N + cols, dw, mask=col_ok)
 
 
+def rms_norm_config(n: int) -> tuple[int, int, int]:
+    """(ROWS, BLOCK, num_warps) for feature size n: a function of n only (never of the row count)."""
+    block = triton.next_power_of_2(n)
+    if interpreting():
+        return 4, block, 4
+    rows = max(1, min(16, 2048 // block))
+    tile = rows * block
+    return rows, block, 4 if tile <= 2048 else 8 if tile <= 8192 else 16
+
+
 def _quantize_buffers(r: int, n: int, device, decoded: bool) -> tuple:
     """The NVFP4 output of r rows of n: (packed, scale bytes, global scales[, the decoded form])."""
     return nvfp4_buffers(r, n, device) + ((decode_buffer(r, n, device),) if decoded else ())
@@ -151,11 +186,6 @@ def _quantize_args(q: tuple | None, dummy: torch.Tensor) -> tuple:
     """A row kernel's Q, QS, QGS, QD pointers (`dummy` where there is nothing to write)."""
     q = q or ()
     return tuple(q) + (dummy,) * (4 - len(q))
-
-
-def _dbk(q: tuple | None) -> int:
-    """A row kernel's DBK: the decoded form's K step, or 1 (none)."""
-    return fp4_block_k() if q is not None and len(q) == 4 else 1
 
 
 def _rows2d(t: torch.Tensor) -> torch.Tensor:
@@ -178,11 +208,12 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize
     d2 = _rows2d(delta) if delta is not None else None
     xs = torch.empty(r, n, device=x.device, dtype=x.dtype) if delta is not None else None
     if r and n:
-        rows, block, warps = row_tile(n)
+        rows, block, warps = rms_norm_config(n)
         _rms_norm_fwd_kernel[(triton.cdiv(r, rows),)](
             x2, w, y, rstd, *_quantize_args(q, y), d2 if d2 is not None else x2, xs if xs is not None else y, r, n,
             x2.stride(0), y.stride(0), d2.stride(0) if d2 is not None else 0, float(n), float(eps),
-            ROWS=rows, BLOCK=block, QUANT=quantize, RESIDUAL=delta is not None, DBK=_dbk(q), num_warps=warps,
+            ROWS=rows, BLOCK=block, QUANT=quantize, RESIDUAL=delta is not None, DBK=fp4_block_k() if decoded else 1,
+            num_warps=warps,
             enable_fp_fusion=False, **pdl.launch(x.device))
     return y.reshape(*x.shape[:-1], n), rstd, q, (xs.reshape(x.shape) if xs is not None else None)
 
@@ -200,7 +231,7 @@ def rms_norm_backward(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rs
     x2, g2 = _rows2d(x), _rows2d(g)
     r, n = x2.shape
     dx = torch.empty(r, n, device=x.device, dtype=x.dtype)
-    rows, block, warps = row_tile(n)
+    rows, block, warps = rms_norm_config(n)
     tiles = triton.cdiv(r, rows)
     per = triton.cdiv(tiles, _programs_cap(x.device)) if tiles else 1
     programs = triton.cdiv(tiles, per)
@@ -292,13 +323,13 @@ def _silu_mul_quantize_kernel(GATE, UP, OUT, Q, QS, QGS, QD, N, NB: tl.constexpr
     tl.store(QGS + row, gs)
     gs = gs + tl.zeros([NB], dtype=tl.float32)
     inv_gs = tl.div_rn(tl.zeros([NB], dtype=tl.float32) + 1.0, gs)
+    dec_row = tl.zeros([NB], dtype=tl.int64) + row * ((N + DBK - 1) // DBK * DBK)  # (its decoded row's offset)
     for k0 in range(0, N, NB * 16):
         out = _silu_mul_chunk(GATE, UP, row * N, k0 + offs16, N, EVEN, OUT.dtype.element_ty)
         even, odd, s_code = quantize_codes(out.to(tl.float32), gs, inv_gs)
         packed = even | (odd << 4)
         if DBK > 1:  # the decoded form of the row (`store_decoded`)
-            store_decoded(QD, tl.zeros([NB], dtype=tl.int64) + row * ((N + DBK - 1) // DBK * DBK), k0 + blk * 16, N,
-                          even, odd, s_code, DBK)
+            store_decoded(QD, dec_row, k0 + blk * 16, N, even, odd, s_code, DBK)
         if EVEN:
             tl.store(OUT + row * N + k0 + offs16, out)
             tl.store(Q + row * (N // 2) + k0 // 2 + offs8, packed)
@@ -343,7 +374,8 @@ def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, quantize: bool = Fals
     if r and n:
         nb = min(16 if interpreting() else 64, triton.next_power_of_2(n // QBLOCK))
         _silu_mul_quantize_kernel[(r,)](gate, up, out, *_quantize_args(q, out), n, NB=nb, EVEN=n % (nb * QBLOCK) == 0,
-                                        DBK=_dbk(q), num_warps=4, **pdl.launch(gate.device))
+                                        DBK=fp4_block_k() if decoded else 1, num_warps=4,
+                                        **pdl.launch(gate.device))
     return out, q
 
 
