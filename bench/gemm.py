@@ -373,7 +373,9 @@ def learner_layer(m: int = 8192, timer=None, device: str = "cuda", layers: dict 
         shapes = {"q": (nq, h), "k": (nkv, h), "v": (nkv, h), "o": (h, nq), "gate": (inter, h), "up": (inter, h),
                   "down": (h, inter)}
         masters = {k: (rnd(*sh) * 0.02).requires_grad_(True) for k, sh in shapes.items()}
-        wq = {k: ops.quantize(w.detach(), scale_mode="tensor", backend="triton") for k, w in masters.items()}
+        # the learner's re-quantize: per-tensor scales, and the decoded form its wide forward tiles read
+        wq = dict(zip(masters, ops.quantize_weights([w.detach() for w in masters.values()], backend="triton",
+                                                    decoded=True)))
         wb = {k: w.detach().to(bf16).requires_grad_(True) for k, w in masters.items()}
         inputs = {"x": rnd(m, h).to(bf16), "a": rnd(m, nq).to(bf16), "hs": rnd(m, inter).to(bf16)}
         inputs = {k: v.requires_grad_(True) for k, v in inputs.items()}

@@ -611,7 +611,8 @@ def swap_block_m(m: int) -> int:
 # K chunks: the K loop is cut into S chunks of equal step count, S from (N, K) alone (`k_chunks`). Within a
 # chunk the MMA chain accumulates from zero; chunk sums are added in chunk order. S > 1 only where the
 # swapped tiles of N would leave the GPU short of programs: S is the smallest power of two with
-# cdiv(N, CHUNK_TILE_N) * S >= CHUNK_TARGET_PROGRAMS, halved until it divides the step count cdiv(K, BLOCK_K).
+# cdiv(N, CHUNK_TILE_N) * S >= CHUNK_TARGET_PROGRAMS, at most MAX_CHUNKS (below), and dividing the step count
+# cdiv(K, BLOCK_K).
 CHUNK_TARGET_PROGRAMS = 2 * 132  # two programs per H200 SM (a constant: the bits must not depend on the GPU)
 CHUNK_TILE_N = 64  # the swapped tiles' BLOCK_N
 SPLIT_K = True  # bench/gemm.py only: False runs the chunk walk in one program for every M (same bits)
@@ -619,13 +620,20 @@ SPLIT_K = True  # bench/gemm.py only: False runs the chunk walk in one program f
 # False: by `_combine_kernel` (the same additions; bench/gemm.py compares the two)
 COMBINE_IN_KERNEL = True
 CHUNKS_OVERRIDE: int | None = None  # bench/gemm.py only: time another S (other bits, the same for every M)
-# MINITE_MAX_K_CHUNKS (a power of two, read at import): S is capped there, for every (N, K), M and engine:
-# other bits than the default's, the same in the rollout and the learner (both import this module). The
-# device benchmarks set it to weigh the learner's wide tiles (fewest chunks) against the decode's occupancy.
-def _max_chunks_from_env() -> int | None:
+# S is capped at MAX_CHUNKS for every (N, K), M and engine. DEFAULT_MAX_CHUNKS = 4: on an H100 the 0.6B decode
+# layer at M = 64 took 45 us at S <= 4 against 59 us at S = 8 / 16 (the 1.7B one 73 against 92), the rollout
+# 1.06x / 0.91x its own BF16 at b16 / b64 against 0.88x / 0.71x, while the learner's step did not move
+# (0.281 s at S <= 4, 0.289 uncapped, 0.280 at S = 1; docs/benchmarks.md, 2026-12-06). More chunks than 4
+# bought programs for a GPU the decode GEMM already filled, and cost each a partial sum and its combine.
+# MINITE_MAX_K_CHUNKS (a power of two, read at import) sets another cap: other bits than the default's, the
+# same in the rollout and the learner (both import this module); the device benchmarks use it to time the trade.
+DEFAULT_MAX_CHUNKS = 4
+
+
+def _max_chunks_from_env() -> int:
     value = os.environ.get("MINITE_MAX_K_CHUNKS")
     if value is None:
-        return None
+        return DEFAULT_MAX_CHUNKS
     cap = int(value) if value.isdigit() else 0
     if cap < 1 or cap & (cap - 1):
         raise ValueError(f"MINITE_MAX_K_CHUNKS={value!r}: set it to a power of two (1, 2, 4, ...)")
@@ -645,7 +653,7 @@ def k_chunks(n: int, k: int) -> int:
         target, tile_n, block_k = CHUNK_TARGET_PROGRAMS, CHUNK_TILE_N, FP4_BLOCK_K
     steps = triton.cdiv(max(k, 1), block_k)
     s = 1
-    while triton.cdiv(n, tile_n) * s < target and steps % (2 * s) == 0 and (MAX_CHUNKS is None or 2 * s <= MAX_CHUNKS):
+    while triton.cdiv(n, tile_n) * s < target and steps % (2 * s) == 0 and 2 * s <= MAX_CHUNKS:
         s *= 2
     return s
 

@@ -116,9 +116,9 @@ INVARIANCE_MS = [1, 5, 16, 17, 40, 64, 100, 128, 129, 300]
 # (on the CPU interpreter one shape per chunk count, K not a power of two where it splits: CI time)
 # (the K chunks' walk for M > 128 has three forms, `gemm.walk_mode`: on the CPU K = 224 at S = 2 gives chunks
 # of 2 steps of 64, at S = 4 one-step chunks; on the GPU 12288 x 4096 chunks of 16 steps (a loop over chunks),
-# 6144 x 2000 of 4, 1024 x 1024 of one; test_the_shapes_cover_both_walks)
+# 6144 x 2000 of 4, 2048 x 512 of one; test_the_shapes_cover_both_walks)
 INVARIANCE_SHAPES = ([(40, 64, 1), (100, 224, 2), (40, 224, 4)] if DEVICE == "cpu" else
-                     [(17000, 1024, 1), (12288, 4096, 2), (1024, 1024, 8), (1536, 2048, 16), (6144, 2000, 4)])
+                     [(17000, 1024, 1), (12288, 4096, 2), (1024, 1024, 4), (1536, 2048, 4), (2048, 512, 4), (6144, 2000, 4)])
 
 
 @pytest.mark.gpu if HAS_CUDA else pytest.mark.interpreter

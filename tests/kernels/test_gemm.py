@@ -29,7 +29,7 @@ def _rand(*shape, seed=0):
 if DEVICE == "cpu":
     K, WIDTHS, MS = 96, (40, 24, 24), (3, 17, 140)  # interpreter: S = 2 for N <= 64
 else:
-    K, WIDTHS, MS = 1024, (2048, 1024, 1024), (1, 16, 100, 300)  # Qwen3-0.6B q/k/v: S = 8
+    K, WIDTHS, MS = 1024, (2048, 1024, 1024), (1, 16, 100, 300)  # Qwen3-0.6B q/k/v: S = 4
 
 
 def _weights(widths, mode="tensor", seed=10):
