@@ -24,7 +24,8 @@ For each shape (N, K) and M it times, with triton.testing.do_bench_cudagraph (me
                 (minite-gemm-s<S>, here and in the decode layer), the curve `k_chunks` chooses a point on
 and the activation-quantize kernel's bandwidth against a plain device copy, (`decode_layer`) a Qwen3
 layer's seven linears at decode batch sizes as the model runs them, and (`learner_layer`, last; alone with
-`--learner-only`) the same linears at the learner's 4 x 2048 rows, forward and forward + backward. It also
+`--learner-only`) the same linears at the learner's 4 x 2048 rows, forward and forward + backward, and
+(`backward_parts`) the pieces of their straight-through backward one by one. It also
 checks, on the GPU, that the swapped narrow tiles (M <= 128: BLOCK_M 16/32/64/128) give the same bits as
 the wide ones (the condition for SMALL_M_TILES), and that the W4A4 output is invariant: row i of an M-row
 product == the 1-row product.
@@ -46,13 +47,14 @@ import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from minite_core import backward as bwd  # noqa: E402
 from minite_core import nvfp4, ops  # noqa: E402
 from minite_core.kernels import gemm as gemm_mod  # noqa: E402
 from minite_core.kernels import grouped_gemm as gg  # noqa: E402
 from minite_core.kernels import pdl  # noqa: E402
 from minite_core.kernels.quantize import quantize_triton  # noqa: E402
 
-# a dense projection; a MoE expert's gate_up (Qwen3-30B-A3B); Qwen3-0.6B's k/v projection (decode: S = 8 K chunks)
+# a dense projection; a MoE expert's gate_up (Qwen3-30B-A3B); Qwen3-0.6B's k/v projection (decode: S = 4 K chunks)
 SHAPES = [(12288, 4096), (1536, 2048), (1024, 1024)]
 MS = [1, 16, 64, 128, 256, 4096, 8192]
 GROUPED = [(8, 768, 1024, 2), (128, 768, 1024, 8)]  # (E, N, K, top-k): 8 experts; Qwen3-30B-A3B-like 128 top-8
@@ -411,6 +413,44 @@ def learner_layer(m: int = 8192, timer=None, device: str = "cuda", layers: dict 
     return rows
 
 
+def backward_parts(m: int = 8192, timer=None, device: str = "cuda", layers: dict | None = None) -> list[dict]:
+    """The straight-through backward of a learner layer's linears (`backward.ste_cuda`), piece by piece, each
+    summed over the layer (ms): where the NVFP4 backward's time goes against the BF16 one's.
+      deq-w        the 7 weights dequantized to bf16 (dgrad's operands; NVFP4 only)
+      deq-x        the 4 saved activations Q(x) dequantized to bf16 (wgrad's operands; NVFP4 only)
+      dgrad        the 7 products g @ W, bf16 out (both)
+      wgrad-fp32   the 7 products g.T @ x with fp32 out (`out_dtype`): NVFP4's, whose gradients go to fp32
+                   masters straight
+      wgrad-bf16   the same with bf16 out: BF16's (its weights are bf16 casts of the masters; autograd
+                   casts the gradient back to fp32 after)"""
+    timer = timer or (lambda fn: triton.testing.do_bench(fn, rep=200, return_mode="median") * 1e-3)
+    g = torch.Generator(device=device).manual_seed(1)
+    rnd = lambda *sh: torch.randn(*sh, device=device, generator=g)  # noqa: E731
+    bf16, f32 = torch.bfloat16, torch.float32
+    deq = lambda t: ops.dequantize(t, bf16, backend="triton")  # noqa: E731
+    rows = []
+    for name, (h, nq, nkv, inter) in (layers or LAYERS).items():
+        shapes = {"q": (nq, h), "k": (nkv, h), "v": (nkv, h), "o": (h, nq), "gate": (inter, h), "up": (inter, h),
+                  "down": (h, inter)}
+        src = {"q": "x", "k": "x", "v": "x", "o": "a", "gate": "x2", "up": "x2", "down": "hs"}
+        ws = dict(zip(shapes, ops.quantize_weights([rnd(*sh) * 0.02 for sh in shapes.values()], backend="triton",
+                                                   decoded=True)))
+        xs = {k: ops.quantize(rnd(m, n).to(bf16), backend="triton", check_finite=False)
+              for k, n in (("x", h), ("a", nq), ("x2", h), ("hs", inter))}
+        gs = {k: rnd(m, sh[0]).to(bf16) for k, sh in shapes.items()}
+        wd = {k: deq(w) for k, w in ws.items()}
+        xd = {k: deq(x) for k, x in xs.items()}
+        r = {"model": name, "M": m,
+             "deq-w": timer(lambda: [deq(w) for w in ws.values()]),
+             "deq-x": timer(lambda: [deq(x) for x in xs.values()]),
+             "dgrad": timer(lambda: [bwd.cuda_mm(gs[k], wd[k], bf16) for k in shapes]),
+             "wgrad-fp32": timer(lambda: [bwd.cuda_mm(gs[k].T, xd[src[k]], f32) for k in shapes]),
+             "wgrad-bf16": timer(lambda: [bwd.cuda_mm(gs[k].T, xd[src[k]], bf16) for k in shapes])}
+        rows.append(r)
+        print("# backward parts", json.dumps(r), flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -488,7 +528,20 @@ def main():
 
 
 def print_learner_layer() -> None:
-    """`learner_layer`'s table (last: a failure there costs none of the tables above)."""
+    """`learner_layer`'s and `backward_parts`' tables (last: a failure there costs none of the tables above)."""
+    _print_learner_layer()
+    try:
+        parts = backward_parts()
+    except Exception as e:  # reported, not fatal
+        print(f"\nbackward parts: FAILED {type(e).__name__}: {e}", flush=True)
+        return
+    keys = ("deq-w", "deq-x", "dgrad", "wgrad-fp32", "wgrad-bf16")
+    print("\nbackward parts M | " + " | ".join(keys) + "  (ms, summed over a layer's 7 linears)")
+    for r in parts:
+        print(f"backward {r['model']:4s} {r['M']:5d} | " + " | ".join(f"{r[k] * 1e3:6.3f}" for k in keys))
+
+
+def _print_learner_layer() -> None:
     try:
         rows = learner_layer()
     except Exception as e:  # reported, not fatal

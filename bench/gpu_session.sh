@@ -75,6 +75,7 @@ echo "== summary"
 [ -f "$OUT/gemm.txt" ] && grep -E '^chunks layer' "$OUT/gemm.txt" | sed 's/^/K chunks: /'
 [ -f "$OUT/gemm.txt" ] && grep -E '^walk ' "$OUT/gemm.txt" | sed 's/^/gemm:     /'
 [ -f "$OUT/gemm.txt" ] && grep -E '^learner (layer: FAILED|[0-9a-z.]+ +[0-9]+ \|)' "$OUT/gemm.txt" | sed 's/^/layer fwd+bwd: /'
+[ -f "$OUT/gemm.txt" ] && grep -E '^backward (parts: FAILED|[0-9a-z.]+ +[0-9]+ \|)' "$OUT/gemm.txt" | sed 's/^/backward parts (deq-w, deq-x, dgrad, wgrad fp32 out, bf16 out; ms): /'
 [ -f "$OUT/gemm_bits.txt" ] && grep -E '^decode ' "$OUT/gemm_bits.txt" | sed 's/^/layer, element decode: /'
 [ -f "$OUT/gemm_bits.txt" ] && grep -E '^ *[0-9]+ +[0-9]+ +(16|4096) ' "$OUT/gemm_bits.txt" | awk -F'|' '{print "gemm, element decode: N K M S =" $1 "w4a4 vs bf16 =" $(NF-1)}'
 true

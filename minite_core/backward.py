@@ -58,7 +58,7 @@ def ste_cuda(g2: torch.Tensor, x2: torch.Tensor | None, w, xq: NVFP4Tensor | Non
     fp32 accumulation. grad_x comes out in x's dtype when that is bf16 (one rounding of the fp32
     accumulator, as the old fp32 result `.to(bf16)`), else fp32; grad_w in fp32 for fp32 masters, bf16
     for bf16 weights. x_dtype / w_dtype None: that gradient is not needed (not computed)."""
-    bf16, f32 = torch.bfloat16, torch.float32
+    bf16 = torch.bfloat16
     gb = g2.to(bf16)
     if isinstance(w, NVFP4Tensor):
         wd = dequantize(w, bf16) if x_dtype is not None else None
@@ -68,16 +68,21 @@ def ste_cuda(g2: torch.Tensor, x2: torch.Tensor | None, w, xq: NVFP4Tensor | Non
     else:  # fp32/fp16 plain operands: fp32 SIMT matmul on the bf16-rounded gradient, as before
         gb, wd, xd = gb.float(), w.float(), x2.float()
 
-    def mm(a, b, dtype):
-        if not a.is_cuda:  # (tests on CPU: the same operands, fp32 accumulation, one rounding to `dtype`)
-            return torch.mm(a.float(), b.float()).to(dtype if dtype == a.dtype else f32)
-        if a.dtype == f32 or dtype == a.dtype:
-            return torch.mm(a, b)
-        return torch.mm(a, b, out_dtype=f32)
-
-    grad_x = mm(gb, wd, x_dtype) if x_dtype is not None else None  # [M, N] @ [N, K]
-    grad_w = mm(gb.T, xd, w_dtype) if w_dtype is not None else None  # [N, M] @ [M, K]
+    grad_x = cuda_mm(gb, wd, x_dtype) if x_dtype is not None else None  # [M, N] @ [N, K]
+    grad_w = cuda_mm(gb.T, xd, w_dtype) if w_dtype is not None else None  # [N, M] @ [M, K]
     return grad_x, grad_w
+
+
+def cuda_mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`ste_cuda`'s product a @ b (cuBLAS, fp32 accumulation): in a's dtype when `dtype` is a's (one rounding
+    of the accumulator), else fp32 (bf16 operands: `out_dtype=float32`, no bf16 rounding of the result). On
+    CPU tensors (tests) the same operands in an fp32 torch.mm, rounded once to that dtype."""
+    f32 = torch.float32
+    if not a.is_cuda:
+        return torch.mm(a.float(), b.float()).to(dtype if dtype == a.dtype else f32)
+    if a.dtype == f32 or dtype == a.dtype:
+        return torch.mm(a, b)
+    return torch.mm(a, b, out_dtype=f32)
 
 
 def nvfp4_recipe(g2: torch.Tensor, x2: torch.Tensor, w: NVFP4Tensor):
