@@ -5,7 +5,9 @@
 Each run: `batch` random prompts of `prompt` tokens, `new` tokens sampled per sequence (temperature 1,
 no top-k / top-p, no stop token), wall time from the call to the last token, tokens/s = batch * new /
 seconds (prefill included, as a user of `generate` sees it). One warm-up run of the same shape first
-(Triton compiles, CUDA-graph capture, torch.compile), then the median of `--repeats` runs.
+(Triton compiles, CUDA-graph capture, torch.compile), then the median of `--repeats` runs. miniTE's peers
+also time a run of one new token (prefill and the first sample): the wall time's split into the prefill and
+a decode step ((wall - that) / (new - 1)), and NVFP4 against BF16 on the decode steps alone.
 
 Peers, all on the same random-weight checkpoint:
 - minite-nvfp4: RolloutEngine, W4A4 weights and activations, Triton backend, CUDA-graph decode;
@@ -49,8 +51,8 @@ def minite_runner(path: Path, precision: str, knobs: dict, batch: int, prompt: i
     engine = RolloutEngine(model, max_slots=batch, max_seq_len=prompt + new + 1)
     ids = prompts_for(model.cfg, batch, prompt).tolist()
 
-    def run(seed: int) -> int:
-        outs = engine.generate(ids, SamplingParams(max_tokens=new, temperature=1.0, seed=seed))
+    def run(seed: int, tokens: int = new) -> int:
+        outs = engine.generate(ids, SamplingParams(max_tokens=tokens, temperature=1.0, seed=seed))
         return sum(len(o.token_ids) for o in outs)
     return run, engine
 
@@ -142,9 +144,14 @@ def main() -> None:
                         else:
                             run, keep = hf_runner(path, cfg, batch, args.prompt, args.new, peer == "hf-static")
                         sec, tokens = measure(run, args.repeats)
-                        rows.append(dict(config=name, peer=peer, batch=batch, seconds=sec, tokens=tokens,
-                                         tok_s=tokens / sec))
-                        print(f"{name:5s} {peer:17s} b{batch:<4d} {sec:8.3f} s {tokens / sec:10.0f} tok/s", flush=True)
+                        row = dict(config=name, peer=peer, batch=batch, seconds=sec, tokens=tokens, tok_s=tokens / sec)
+                        if peer.startswith("minite") and args.new > 1:  # the wall time split: prefill, decode steps
+                            row["prefill_s"] = measure(lambda seed, run=run: run(seed, 1), args.repeats)[0]
+                            row["step_s"] = (sec - row["prefill_s"]) / (args.new - 1)
+                        rows.append(row)
+                        split = (f"  (prefill + first token {row['prefill_s'] * 1e3:7.1f} ms, a decode step "
+                                 f"{row['step_s'] * 1e3:6.3f} ms)" if "step_s" in row else "")
+                        print(f"{name:5s} {peer:17s} b{batch:<4d} {sec:8.3f} s {tokens / sec:10.0f} tok/s{split}", flush=True)
                         del run, keep
                     except Exception as e:  # one failing row must not cost the others
                         print(f"{name} {peer} b{batch}: FAILED {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
@@ -164,6 +171,12 @@ def main() -> None:
             for peer in ("minite-bf16", "hf-static"):
                 if mine and by.get((name, peer, b)):
                     print(f"{name} b{b}: minite-nvfp4 / {peer} = {mine / by[(name, peer, b)]:.2f}x")
+            steps = {r["peer"]: r for r in rows if (r["config"], r["batch"]) == (name, b) and "step_s" in r}
+            if {"minite-nvfp4", "minite-bf16"} <= set(steps):
+                n4, b16 = steps["minite-nvfp4"], steps["minite-bf16"]
+                print(f"{name} b{b}: decode steps only, minite-nvfp4 / minite-bf16 = {b16['step_s'] / n4['step_s']:.2f}x "
+                      f"({n4['step_s'] * 1e3:.3f} vs {b16['step_s'] * 1e3:.3f} ms); prefill "
+                      f"{n4['prefill_s'] * 1e3:.1f} vs {b16['prefill_s'] * 1e3:.1f} ms")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
