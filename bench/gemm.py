@@ -211,7 +211,31 @@ def quantize_bandwidth() -> dict:
     copy_bytes = 2 * x.numel() * x.element_size()
     q_bytes = x.numel() * x.element_size() + x.numel() // 2 + x.numel() // 16 + 4 * x.shape[0]
     return {"copy_GBps": copy_bytes / t_copy / 1e9, "quantize_GBps": q_bytes / t_q / 1e9,
-            "ratio": (q_bytes / t_q) / (copy_bytes / t_copy), "decoded_too_us": t_dec * 1e6, "quantize_us": t_q * 1e6}
+            "ratio": (q_bytes / t_q) / (copy_bytes / t_copy), "decoded_too_us": t_dec * 1e6, "quantize_us": t_q * 1e6,
+            "sweep": quantize_sweep(x, bench)}
+
+
+QUANTIZE_SWEEP = [(w, nb) for w in (2, 4, 8) for nb in (32, 64, 128)]  # (num_warps, most blocks a chunk)
+
+
+def quantize_sweep(x: torch.Tensor, timer) -> list[dict]:
+    """The activation quantize of x under other launch settings (`quantize.QUANTIZE_WARPS`, `QUANTIZE_MAX_NB`):
+    seconds each, and whether its codes, scales and global scales equal the default's (they must)."""
+    from minite_core.kernels import quantize as qmod
+    ref = quantize_triton(x, None)
+    saved = qmod.QUANTIZE_WARPS, qmod.QUANTIZE_MAX_NB
+    rows = []
+    try:
+        for warps, nb in QUANTIZE_SWEEP:
+            qmod.QUANTIZE_WARPS, qmod.QUANTIZE_MAX_NB = warps, nb
+            q = quantize_triton(x, None)
+            same = all(torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                                   b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+                       for a, b in ((q.data, ref.data), (q.scale, ref.scale), (q.global_scale, ref.global_scale)))
+            rows.append({"warps": warps, "max_nb": nb, "seconds": timer(lambda: quantize_triton(x, None)), "same_bits": same})
+    finally:
+        qmod.QUANTIZE_WARPS, qmod.QUANTIZE_MAX_NB = saved
+    return rows
 
 
 SWEEP = [  # fixed configs to compare (BLOCK_K must stay 128: the K order is shared by all M buckets)
@@ -509,6 +533,9 @@ def main():
                   f" {us(r['minite-gemm-select-walk'])}us, same bits: {r['select-walk-same-bits']}")
     print(f"\nquantize 8192x4096 bf16: {qbw['quantize_GBps']:.0f} GB/s vs copy {qbw['copy_GBps']:.0f} GB/s = {qbw['ratio']:.2f}"
           f" ({qbw['quantize_us']:.1f} us; writing the decoded form too: {qbw['decoded_too_us']:.1f} us)")
+    print("quantize sweep (warps, most blocks a chunk: us, of copy, same bits): " + "; ".join(  # (same bytes moved)
+        f"w{r['warps']} nb{r['max_nb']} {r['seconds'] * 1e6:.1f} {qbw['ratio'] * qbw['quantize_us'] * 1e-6 / r['seconds']:.2f}"
+        f" {r['same_bits']}" for r in qbw["sweep"]))
     print("\nmodel    M | cuBLAS bf16 | minite bf16 | nvfp4 before | nvfp4 now | now vs before | now vs minite bf16 | with PDL: bf16, nvfp4 | nvfp4 x decoded | nvfp4 S = 1"
           " (a layer's linears)")
     for r in layer:

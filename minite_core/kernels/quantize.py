@@ -230,6 +230,13 @@ def as_nvfp4(parts: tuple, shape: tuple, global_scale: torch.Tensor | None = Non
                        gs.reshape(lead + (1,)) if global_scale is None else global_scale, tuple(shape), decoded)
 
 
+# `_quantize_kernel`'s launch: warps per row program and the most blocks of 16 in one chunk of its walk. Neither
+# changes a bit (each block's arithmetic is the same in any tile, and a row's amax is a max); bench/gemm.py's
+# quantize sweep times the others.
+QUANTIZE_WARPS = 4
+QUANTIZE_MAX_NB = 64
+
+
 def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None, decoded: bool = False) -> NVFP4Tensor:
     """Quantize x [..., K] with per-row global scales (global_scale None) or a given scalar/[.., 1] one.
     `decoded`: the result carries its decoded form (`NVFP4Tensor.decoded`), written by the same kernel, for
@@ -245,11 +252,12 @@ def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None, decoded:
     if global_scale is not None:
         gs = global_scale.reshape(-1).contiguous()
         stride_gs = 0 if gs.numel() == 1 else 1
-    nb = min(64, triton.next_power_of_2(k // BLOCK))
+    nb = min(QUANTIZE_MAX_NB, triton.next_power_of_2(k // BLOCK))
     if r:
         _quantize_kernel[(r,)](
             x2, data, scale, gs, data if dec is None else dec, k, x2.stride(0), data.stride(0), scale.stride(0), stride_gs,
-            ROW_GS=global_scale is None, NB=nb, EVEN_K=k % (nb * BLOCK) == 0, DBK=dbk, num_warps=4, **pdl.launch(x.device),
+            ROW_GS=global_scale is None, NB=nb, EVEN_K=k % (nb * BLOCK) == 0, DBK=dbk, num_warps=QUANTIZE_WARPS,
+            **pdl.launch(x.device),
         )
     return as_nvfp4((data, scale, gs), tuple(x.shape), global_scale, decoded=dec)
 

@@ -44,3 +44,18 @@ def test_backward_parts_times_each_piece_of_the_straight_through_backward():
     assert {t.dtype for t in wgrad32} == {torch.float32}
     assert [tuple(t.shape) for t in wgrad32] == [tuple(t.shape) for t in deq_w]  # grad_w is [N, K] like W
     assert all(torch.equal(a.to(torch.bfloat16), b) for a, b in zip(wgrad32, wgrad16))  # one rounding apart
+
+
+def test_quantize_sweep_gets_the_default_bits_from_every_launch_setting():
+    """bench/gemm.py's quantize sweep: each (warps, chunk) setting quantizes x to the default's bits (NB, the
+    chunk, changes the walk: K = 2080, 130 blocks, gives 4, 2 and 1 whole chunks and a part chunk at NB = 32,
+    64 and 128), and the module's settings are restored after."""
+    from bench.gemm import QUANTIZE_SWEEP, quantize_sweep
+    from minite_core.kernels import quantize as qmod
+
+    saved = qmod.QUANTIZE_WARPS, qmod.QUANTIZE_MAX_NB
+    x = (torch.randn(5, 2080, generator=torch.Generator().manual_seed(3)) * 3).to(torch.bfloat16)
+    rows = quantize_sweep(x, lambda fn: (fn(), 1e-6)[1])
+    assert [(r["warps"], r["max_nb"]) for r in rows] == QUANTIZE_SWEEP
+    assert all(r["same_bits"] for r in rows)
+    assert (qmod.QUANTIZE_WARPS, qmod.QUANTIZE_MAX_NB) == saved
