@@ -379,9 +379,13 @@ def decode_layer(ms=(16, 64), chunks=(1,)) -> list[dict]:
     return rows
 
 
-def learner_layer(m: int = 8192, timer=None, device: str = "cuda", layers: dict | None = None) -> list[dict]:
+def learner_layer(m: int = 8192, timer=None, device: str = "cuda", layers: dict | None = None,
+                  graph_timer=None) -> list[dict]:
     """A learner layer's linears, forward and forward + backward through the autograd path the learner runs
-    (M = batch x seq rows; `triton.testing.do_bench` medians, not CUDA graphs: autograd runs on the host):
+    (M = batch x seq rows; `triton.testing.do_bench` medians, not CUDA graphs: autograd runs on the host,
+    so where the host is slower than the GPU these are host times). The forward also from a CUDA graph
+    (`graph_timer`, default `bench`: fwd-graph, the GPU's time alone): fwd against fwd-graph says whether the
+    layer's forward waits on the host.
       cublas-bf16      F.linear on bf16 weights that require grad (what a bf16 PyTorch step runs)
       minite-bf16      ops.linears on the fp32 masters cast to bf16 (the BF16 learner: `Qwen3.param`)
       minite-nvfp4     ops.linears on NVFP4 weights, the gradients to the fp32 masters (straight-through)
@@ -390,6 +394,7 @@ def learner_layer(m: int = 8192, timer=None, device: str = "cuda", layers: dict 
     norms and SiLU*up hand over q/k/v's, gate/up's and down's). Where the NVFP4 step's linears spend the time
     that the BF16 step's do not: the layer's forward and backward, without norms and attention."""
     timer = timer or (lambda fn: triton.testing.do_bench(fn, rep=200, return_mode="median") * 1e-3)
+    graph_timer = graph_timer or bench
     g = torch.Generator(device=device).manual_seed(0)
     rnd = lambda *sh: torch.randn(*sh, device=device, generator=g)  # noqa: E731
     bf16 = torch.bfloat16
@@ -431,6 +436,11 @@ def learner_layer(m: int = 8192, timer=None, device: str = "cuda", layers: dict 
         for engine in ("cublas-bf16", "minite-bf16", "minite-nvfp4", "minite-nvfp4-fp8"):
             with torch.no_grad():
                 r[f"{engine}-fwd"] = timer(lambda: layer(engine))
+                try:
+                    r[f"{engine}-fwd-graph"] = graph_timer(lambda: layer(engine))
+                except Exception as e:  # (a capture that fails costs only its column)
+                    r[f"{engine}-fwd-graph"] = None
+                    print(f"# learner layer {engine}: no CUDA-graph time, {type(e).__name__}: {str(e)[:200]}", flush=True)
             r[f"{engine}-fwd-bwd"] = timer(lambda: fwd_bwd(engine))
         rows.append(r)
         print("# learner layer", json.dumps(r), flush=True)
@@ -568,6 +578,10 @@ def print_learner_layer() -> None:
         print(f"backward {r['model']:4s} {r['M']:5d} | " + " | ".join(f"{r[k] * 1e3:6.3f}" for k in keys))
 
 
+def _ms(seconds: float | None) -> str:
+    return f"{seconds * 1e3:5.2f}" if seconds is not None else "  n/a"
+
+
 def _print_learner_layer() -> None:
     try:
         rows = learner_layer()
@@ -575,10 +589,12 @@ def _print_learner_layer() -> None:
         print(f"\nlearner layer: FAILED {type(e).__name__}: {e}", flush=True)
         return
     engines = ("cublas-bf16", "minite-bf16", "minite-nvfp4", "minite-nvfp4-fp8")
-    print("\nlearner layer M | " + " | ".join(f"{e} fwd, fwd+bwd" for e in engines) + " | nvfp4 / minite bf16 (fwd+bwd; ms)")
+    print("\nlearner layer M | " + " | ".join(f"{e} fwd (GPU alone), fwd+bwd" for e in engines)
+          + " | nvfp4 / minite bf16 (fwd+bwd; ms)")
     for r in rows:
         print(f"learner {r['model']:4s} {r['M']:5d} | "
-              + " | ".join(f"{r[f'{e}-fwd'] * 1e3:6.2f} {r[f'{e}-fwd-bwd'] * 1e3:6.2f}" for e in engines)
+              + " | ".join(f"{r[f'{e}-fwd'] * 1e3:6.2f} ({_ms(r[f'{e}-fwd-graph'])}) {r[f'{e}-fwd-bwd'] * 1e3:6.2f}"
+                           for e in engines)
               + f" | {r['minite-bf16-fwd-bwd'] / r['minite-nvfp4-fwd-bwd']:.2f}x, fp8 "
               f"{r['minite-bf16-fwd-bwd'] / r['minite-nvfp4-fp8-fwd-bwd']:.2f}x")
 
