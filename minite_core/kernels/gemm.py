@@ -623,8 +623,8 @@ CHUNKS_OVERRIDE: int | None = None  # bench/gemm.py only: time another S (other 
 # S is capped at MAX_CHUNKS for every (N, K), M and engine. DEFAULT_MAX_CHUNKS = 4: on an H100 the 0.6B decode
 # layer at M = 64 took 45 us at S <= 4 against 59 us at S = 8 / 16 (the 1.7B one 73 against 92), the rollout
 # 1.06x / 0.91x its own BF16 at b16 / b64 against 0.88x / 0.71x, while the learner's step did not move
-# (0.281 s at S <= 4, 0.289 uncapped, 0.280 at S = 1; docs/benchmarks.md, 2026-12-06). More chunks than 4
-# bought programs for a GPU the decode GEMM already filled, and cost each a partial sum and its combine.
+# (0.281 s at S <= 4, 0.289 uncapped, 0.280 at S = 1; docs/benchmarks.md, 2026-12-06). Chunks past 4 bought
+# programs whose fp32 partials (written, then added by each tile's last program) cost more than they gained.
 # MINITE_MAX_K_CHUNKS (a power of two, read at import) sets another cap: other bits than the default's, the
 # same in the rollout and the learner (both import this module); the device benchmarks use it to time the trade.
 DEFAULT_MAX_CHUNKS = 4
