@@ -164,10 +164,11 @@ def sm90_cases() -> list[tuple]:
     probed; the kernels that take PDL get PDL=True, as they launch on sm_90."""
     n, k = SHAPE
     cases = []
-    # SHAPE (S = 2), plus the Qwen3-0.6B decode shape 1024 x 1024 (S = 8) and N = 16384 (S = 1)
-    # and 6144 x 2048 (the 1.7B gate/up, S = 4): the chunk walks, long (12288 x 4096), of one step, of 4 steps
+    # SHAPE (S = 2), plus the Qwen3-0.6B decode shape 1024 x 1024 (S = 4) and N = 16384 (S = 1), 6144 x 2048
+    # (the 1.7B gate/up, S = 4) and 2048 x 512 (S = 4): the chunk walks, long (12288 x 4096), of 2 and 4 steps,
+    # of one step
     for (n_, k_), ms in ((SHAPE, (1, 16, 32, 64, 128, 4096)), ((1024, 1024), (16, 64, 4096)), ((16384, 4096), (4096,)),
-                         ((6144, 2048), (4096,))):
+                         ((6144, 2048), (4096,)), ((2048, 512), (4096,))):
         for m, a_dec in [(m, False) for m in ms] + ([(64, True)] if (n_, k_) == (1024, 1024) else []):
             cfg = dict(_gpu_config(m, n_, k_), A_DECODED=a_dec)  # a_dec: the activation decoded (DECODE_X_MIN_M)
             for nseg in ((1, 3) if (n_, k_) == (1024, 1024) and not a_dec else (1,)):  # 3: q/k/v in one launch

@@ -69,7 +69,7 @@ def test_the_narrow_tile_decodes_words_with_the_hardware_conversion(compiled):
 
 
 def test_one_step_chunks_need_no_selects(compiled):
-    """Chunks of one K step (the 0.6B widths, S = the step count): each step's chain starts from no
+    """Chunks of one K step (2048 x 512: S = 4 = the step count): each step's chain starts from no
     accumulator (wgmma's zero-input form) and is added into the total: no FSEL resets, 183 loop instructions
     where the select walk takes 273."""
     one = compiled["wide_one_step"]
