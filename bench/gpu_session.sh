@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device session: the GPU tests of the kernels and engines, then the benchmarks, logs under $OUT.
 #   bash bench/gpu_session.sh [tests] [rollout] [learner] [attention] [gemm] [gemm-bits] [learner-cap] [rollout-cap]
-#   (default: all but gemm-bits and the caps; learner-cap / rollout-cap: MINITE_MAX_K_CHUNKS=$CAP, default 1)
+#   (default: all but gemm-bits and the caps; learner-cap / rollout-cap: MINITE_MAX_K_CHUNKS=$CAP, default 1;
+#   the engines' own cap is gemm.DEFAULT_MAX_CHUNKS = 4, CAP=64 gives the uncapped S of before 2026-12-06)
 # gemm-bits: bench/gemm.py again with the element-wise FP4 decode (MINITE_FP4_DECODE=bits), for the word decode's gain.
 # ROLLOUT_ARGS / LEARNER_ARGS / GEMM_ARGS override the benchmarks' arguments, ROLLOUT_TIMEOUT / LEARNER_TIMEOUT
 # their time limits (s). A summary table comes last.
