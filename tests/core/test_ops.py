@@ -249,6 +249,53 @@ def test_a_weight_decoded_at_its_requantize_gives_the_gemm_its_bits(monkeypatch,
         assert torch.equal(gemm.gemm_triton(x, cached, None, torch.float32), gemm.gemm_triton(x, plain, None, torch.float32)), m
 
 
+def _model_linear_shapes() -> list[tuple[int, int]]:
+    """(N, K) of every linear weight of the benchmarks' Qwen3 configs (bench/common.py: 0.6B, 1.7B, and the
+    MoE's attention, dense MLP and experts)."""
+    from bench.common import CONFIGS
+
+    shapes = set()
+    for c in CONFIGS.values():
+        h, q, kv = c["hidden_size"], c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+        shapes |= {(q, h), (kv, h), (h, q)}
+        for inter in {c["intermediate_size"], c.get("moe_intermediate_size", c["intermediate_size"])}:
+            shapes |= {(inter, h), (h, inter)}
+    return sorted(shapes)
+
+
+# on the CPU interpreter two small stand-ins (S = 2 and 4 K chunks, both ending in a part K step): the same path
+MODEL_SHAPES = [(100, 224), (40, 208)] if DEVICE == "cpu" else _model_linear_shapes()
+
+
+@pytest.mark.gpu if HAS_CUDA else pytest.mark.interpreter
+@pytest.mark.skipif(not HAS_TRITON, reason="triton missing")
+@pytest.mark.parametrize("n,k", MODEL_SHAPES, ids=lambda v: str(v))
+def test_every_model_linear_gets_the_rollout_kernels_bits_from_the_learners_decoded_operands(monkeypatch, n, k):
+    """Issue 18's lever 1 on every linear (N, K) of the 0.6B, 1.7B and MoE configs: the learner's GEMM (the
+    wide tiles on the fp16 operands that the re-quantize and the activation's quantize decoded) gives the bits
+    of the same tiles decoding the operands themselves, and of the wide tile decoding the packed bytes; and
+    each row, the bits of that row through the rollout's narrow tiles (M = 1, 16, 64: split K chunks)."""
+    from minite_core.kernels import gemm
+
+    w, = ops.quantize_weights([_rand(n, k, seed=61) * 0.05], backend="triton", decoded=True)
+    x = _rand(300, k, seed=62) * torch.logspace(-3, 2, 300, device=DEVICE).unsqueeze(1)
+    xq = ops.quantize(x, backend="triton", decoded=True)
+    assert w.decoded is not None and xq.decoded is not None and gemm.gemm_config(300, n, k, True)["DECODED"]
+
+    def plain(t):
+        return dataclasses.replace(t, decoded=None)
+    for dtype in (torch.float32, torch.bfloat16):
+        learner = gemm.gemm_triton(xq, w, None, dtype)
+        assert torch.equal(learner, gemm.gemm_triton(plain(xq), plain(w), None, dtype)), dtype  # decoded by the GEMM
+        with monkeypatch.context() as mp:
+            mp.setattr(gemm, "DECODE_WIDE", False)  # the wide tile on the packed bytes
+            assert torch.equal(learner, gemm.gemm_triton(plain(xq), plain(w), None, dtype)), dtype
+        for lo, m in ((0, 1), (7, 16), (100, 64)):
+            rows = nvfp4.NVFP4Tensor(xq.data[lo:lo + m], xq.scale[lo:lo + m], xq.global_scale[lo:lo + m], (m, k))
+            assert gemm.gemm_config(m, n, k, True)["SWAP_AB"]
+            assert torch.equal(gemm.gemm_triton(rows, w, None, dtype), learner[lo:lo + m]), (dtype, lo, m)
+
+
 @pytest.mark.gpu if HAS_CUDA else pytest.mark.interpreter
 @pytest.mark.skipif(not HAS_TRITON, reason="triton missing")
 @pytest.mark.parametrize("op", ["quantize", "rms_norm", "silu_mul", "linear"])
