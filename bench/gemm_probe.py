@@ -271,13 +271,12 @@ def probe_sm90(out: Path) -> list[dict]:
 
 
 def _gpu_config(m, n, k, fp4=True):
-    """gemm_config as on the GPU (this script may be imported with TRITON_INTERPRET set elsewhere)."""
-    saved = os.environ.pop("TRITON_INTERPRET", None)
+    """gemm_config as on the GPU (this script may be imported where the interpreter is on: the tests)."""
+    saved, gemm_mod._INTERPRET = gemm_mod._INTERPRET, False
     try:
         return gemm_mod.gemm_config(m, n, k, fp4)
     finally:
-        if saved is not None:
-            os.environ["TRITON_INTERPRET"] = saved
+        gemm_mod._INTERPRET = saved
 
 
 # --------------------------------------------------------------------------------------- on the GPU

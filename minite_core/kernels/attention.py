@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .gemm import interpreting
+from .gemm import cdiv, interpreting
 from .rows import round_to
 
 NUM_WARPS = 8  # the same for every launch of _attention_kernel (it fixes the tile's register layout); at 4 the
@@ -248,8 +248,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     else:  # a group is one query head, its rows the query positions
         ngrp, gpk, rows = hq, rep, tq
         sqg, sqr, sog, sor, spr = q.stride(1), q.stride(2), out.stride(1), out.stride(2), q_pos.stride(1)
-    tiles = triton.cdiv(rows, bm)
-    chunks = max(triton.cdiv(tk, sn), 1)  # from the cache capacity: a shape, not kv_len's values
+    tiles = cdiv(rows, bm)
+    chunks = max(cdiv(tk, sn), 1)  # from the cache capacity: a shape, not kv_len's values
     if split is None:
         split = tiles == 1 and b * ngrp < 64  # few programs: split the keys; else the tile launch is faster (same bits)
     nsplit = chunks if split else 1
@@ -271,7 +271,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     )
     if nsplit > 1:
         br = 16
-        _combine_kernel[(b * ngrp, triton.cdiv(rows, br))](
+        _combine_kernel[(b * ngrp, cdiv(rows, br))](
             out, ms, ls, accs, out.stride(0), sog, sor, ngrp, rows, nsplit,
             D=d, BLOCK_R=br, num_warps=4, enable_fp_fusion=False, **pdl.launch(q.device),
         )

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .. import nvfp4
-from .gemm import interpreting
+from .gemm import cdiv, interpreting
 from .quantize import e4m3_round_bits
 
 _MAX = tl.constexpr(nvfp4.E4M3_MAX)
@@ -79,7 +79,7 @@ def e4m3_rows_triton(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty(rp, 1, dtype=torch.float32, device=a.device)
     if rp:
         block_r, block_c = (16, 32) if interpreting() else (16, 256)
-        _e4m3_rows_kernel[(triton.cdiv(rp, block_r),)](a, q, s, r, c, rp, cp, a.stride(0), a.stride(1), q.stride(0),
+        _e4m3_rows_kernel[(cdiv(rp, block_r),)](a, q, s, r, c, rp, cp, a.stride(0), a.stride(1), q.stride(0),
                                                        HW_CVT=not interpreting(), BLOCK_R=block_r, BLOCK_C=block_c,
                                                        num_warps=4)
     return q.view(torch.float8_e4m3fn), s

@@ -86,8 +86,24 @@ from ..nvfp4 import NVFP4Tensor
 from . import pdl
 
 
+# Whether Triton runs the kernels in its interpreter (the CPU tests): read once, at import, as Triton's `jit`
+# decides it for each kernel where it is defined; tests that need the other answer patch `_INTERPRET`.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _INTERPRET
+
+
+# The launchers' integer arithmetic: `triton.cdiv` and `triton.next_power_of_2` are `constexpr_function`s,
+# ~2 µs a call from Python (argument unwrapping), and a learner step's launches made ~1,600 such calls.
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """`triton.next_power_of_2(n)`: the smallest power of two >= n (0 for n = 0)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 # How the FP4 operands are decoded (`decode_nvfp4_pairs`): "ptx" (the GPU default: a word of 8 nibbles at a
@@ -543,11 +559,11 @@ def decode_nvfp4(t: NVFP4Tensor, block_k: int) -> torch.Tensor:
     the DECODED tile's layout; the global scales are not applied (the GEMM's epilogue does that)."""
     check_decode(t.data.device, t)
     r, k = t.shape
-    steps = triton.cdiv(k, block_k)
+    steps = cdiv(k, block_k)
     out = torch.empty(r, steps * block_k, dtype=torch.float16, device=t.data.device)
     if r:
         block_r = 16 if interpreting() else 64
-        _decode_kernel[(triton.cdiv(r, block_r), steps)](
+        _decode_kernel[(cdiv(r, block_r), steps)](
             t.data, t.scale.view(torch.uint8), out, r, k, t.data.stride(0), t.scale.stride(0), out.stride(0),
             BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
     return out
@@ -605,7 +621,7 @@ def fp4_block_k() -> int:
 
 def swap_block_m(m: int) -> int:
     """The swapped tile's BLOCK_M for M rows: 16, 32, 64 or 128."""
-    return max(16, triton.next_power_of_2(max(m, 1)))
+    return max(16, next_pow2(max(m, 1)))
 
 
 # K chunks: the K loop is cut into S chunks of equal step count, S from (N, K) alone (`k_chunks`). Within a
@@ -651,9 +667,9 @@ def k_chunks(n: int, k: int) -> int:
         target, tile_n, block_k = 8, 32, 64
     else:
         target, tile_n, block_k = CHUNK_TARGET_PROGRAMS, CHUNK_TILE_N, FP4_BLOCK_K
-    steps = triton.cdiv(max(k, 1), block_k)
+    steps = cdiv(max(k, 1), block_k)
     s = 1
-    while triton.cdiv(n, tile_n) * s < target and steps % (2 * s) == 0 and 2 * s <= MAX_CHUNKS:
+    while cdiv(n, tile_n) * s < target and steps % (2 * s) == 0 and 2 * s <= MAX_CHUNKS:
         s *= 2
     return s
 
@@ -666,7 +682,7 @@ def gemm_config(m: int, n: int, k: int, fp4: bool) -> dict:
     reduction order, depend on (N, K) only; BLOCK_M, BLOCK_N, warps, stages, SWAP_AB and SPLIT (chunks in
     separate programs + a combine kernel, or walked in one program) may depend on M. Memoized (a fresh dict
     each call): it runs for every weight of every linear call, and computing it took ~25 µs of host time
-    (`triton.cdiv` is a ~2 µs call), which a host-bound learner forward pays. The key holds every setting it
+    (`triton.cdiv` was a ~2 µs call), which a host-bound learner forward pays. The key holds every setting it
     reads, so the benchmarks and tests that change one get the configs of the new value."""
     key = (m, n, k, fp4, interpreting(), SMALL_M_TILES, SMALL_M_PLAIN, DECODE_WIDE, DECODE_X_MIN_M, SPLIT_K,
            CHUNKS_OVERRIDE, MAX_CHUNKS, id(CONFIG_OVERRIDE), id(DECODED_TILE))
@@ -820,7 +836,7 @@ def _launch(x, xd, segs: list, cfg: dict, fp4: bool):
     flat = [v for a in padded for v in a]
     # split: chunk partials [S, M, n_total] fp32 (torch.empty: no sync, graph-capturable), then the tile's last
     # program (COMBINE_IN_KERNEL) or the combine kernel adds them
-    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * grid_n
+    tiles = cdiv(m, cfg["BLOCK_M"]) * grid_n
     part = torch.empty(chunks, m, n_total, dtype=torch.float32, device=x.device) if split else segs[0][2]
     fixup = split and COMBINE_IN_KERNEL
     counters = tile_counters(x.device, tiles) if fixup else part
@@ -834,7 +850,7 @@ def _launch(x, xd, segs: list, cfg: dict, fp4: bool):
         cbm, cbn = (16, 32) if interpreting() else (32, 128)
         c1, c2, cgrid_n = _tile_bounds(ns, cbn)
         comb = [v for (_, _, bgs, s_bgs, bias_arg, c, n) in padded for v in (bgs, s_bgs, bias_arg, c, n)]
-        _combine_kernel[(triton.cdiv(m, cbm), cgrid_n)](
+        _combine_kernel[(cdiv(m, cbm), cgrid_n)](
             part, a_args[2], m, chunks, m * n_total, n_total, strides[2], *comb, c1, c2,
             HAS_BIAS=has_bias, NSEG=len(segs), BLOCK_M=cbm, BLOCK_N=cbn, num_warps=4,
         )
@@ -852,7 +868,7 @@ WALK_OVERRIDE: int | None = None  # bench/gemm.py only: 1 times the select walk 
 
 def chunk_elements(k: int, chunks: int, block_k: int) -> int:
     """K elements per chunk when K is cut into `chunks` chunks of whole BLOCK_K steps (the last may end at K)."""
-    return -(-(-(-k // block_k)) // chunks) * block_k  # (integer ceilings: triton.cdiv costs ~2 µs a call)
+    return cdiv(cdiv(k, block_k), chunks) * block_k
 
 
 def walk_mode(k: int, chunks: int, block_k: int) -> int:

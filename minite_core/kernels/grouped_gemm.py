@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from ..nvfp4 import NVFP4Tensor
-from .gemm import (FP4_BLOCK_K, SWAP_CONFIGS, check_decode, chunk_elements, interpreting, k_chunks, swap_block_m,
-                   w4a4_epilogue, w4a4_tile, walk_mode)
+from .gemm import (FP4_BLOCK_K, SWAP_CONFIGS, cdiv, check_decode, chunk_elements, interpreting, k_chunks, next_pow2,
+                   swap_block_m, w4a4_epilogue, w4a4_tile, walk_mode)
 
 
 class MoeSort(NamedTuple):
@@ -155,7 +155,7 @@ def grouped_gemm(xq: NVFP4Tensor, w: NVFP4Tensor, expert_offsets: torch.Tensor,
     bm = cfg["BLOCK_M"]
     chunks = k_chunks(n, k)  # the dense kernel's K chunks for (N, K): same reduction order
     chunk_k = chunk_elements(k, chunks, cfg["BLOCK_K"])
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), (t + min(e, t) * (bm - 1)) // bm)
+    grid = (cdiv(n, cfg["BLOCK_N"]), (t + min(e, t) * (bm - 1)) // bm)
     ags = xq.global_scale
     s_ags = 0 if ags.dim() == 0 else ags.stride(0)
     wgs = w.global_scale
@@ -168,7 +168,7 @@ def grouped_gemm(xq: NVFP4Tensor, w: NVFP4Tensor, expert_offsets: torch.Tensor,
         n, k, e, chunk_k,
         xq.data.stride(0), xq.scale.stride(0), s_ags,
         w.data.stride(0), w.data.stride(1), w.scale.stride(0), w.scale.stride(1), s_ge, s_gn, c.stride(0),
-        E_PAD=triton.next_power_of_2(e), EVEN_K=k % cfg["BLOCK_K"] == 0,
+        E_PAD=next_pow2(e), EVEN_K=k % cfg["BLOCK_K"] == 0,
         CHUNKED=walk_mode(k, chunks, cfg["BLOCK_K"]), **cfg,
     )
     return c

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .. import nvfp4
-from .gemm import interpreting
+from .gemm import cdiv, interpreting
 from .rows import round_to
 
 
@@ -101,7 +101,7 @@ def token_logprob_backward(g: torch.Tensor, logits: torch.Tensor, tokens: torch.
     out = torch.empty(r, v, device=logits.device, dtype=logits.dtype)
     if r and v:
         block = 64 if interpreting() else 4096
-        _token_logprob_bwd_kernel[(r, triton.cdiv(v, block))](
+        _token_logprob_bwd_kernel[(r, cdiv(v, block))](
             logits, tokens.contiguous(), l.contiguous(), g.float().contiguous(), out, logits.stride(0), out.stride(0),
             v, float(temperature), HAS_T=temperature != 1.0, BLOCK=block, num_warps=8 if block > 1024 else 4)
     return out

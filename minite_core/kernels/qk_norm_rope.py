@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .gemm import next_pow2
 from .rows import _unit_last, rms_norm_backward, rms_rstd, rms_scale, rope_apply, rope_rotate, round_to
 
 
@@ -128,7 +129,7 @@ def qk_norm_rope_forward(q, k, v, wq, wk, eps: float, cos, sin, cache=None, norm
             q, k, v, wq.contiguous(), wk.contiguous(), cos, sin, qo, ko, vo, qn, kn, rq, rk, slots, pos,
             t, hq, hkv, q.stride(1), k.stride(1), v.stride(1), cos.stride(0), cos.stride(2), sin.stride(0), sin.stride(2),
             *kstr, *vstr, float(d), float(eps),
-            BLOCK_H=triton.next_power_of_2(max(hq, hkv)), D=d, TO_CACHE=cache is not None, NORM_OUT=norm_out, num_warps=4,
+            BLOCK_H=next_pow2(max(hq, hkv)), D=d, TO_CACHE=cache is not None, NORM_OUT=norm_out, num_warps=4,
             enable_fp_fusion=False, **pdl.launch(q.device))  # (`rows.rms_rstd`: no FMA contraction)
     return (qo.transpose(1, 2), None if cache is not None else ko.transpose(1, 2),
             qn if norm_out else None, kn if norm_out else None, rq, rk)

@@ -34,7 +34,8 @@ import triton.language as tl
 from .. import nvfp4
 from ..nvfp4 import BLOCK, NVFP4Tensor
 from . import pdl
-from .gemm import check_decode, e2m1_to_fp16, e4m3_to_fp16, fp4_block_k, interpreting, load_decode_step
+from .gemm import (cdiv, check_decode, e2m1_to_fp16, e4m3_to_fp16, fp4_block_k, interpreting, load_decode_step,
+                   next_pow2)
 
 _E2M1_MAX = tl.constexpr(nvfp4.E2M1_MAX)
 _E4M3_MAX = tl.constexpr(nvfp4.E4M3_MAX)
@@ -215,7 +216,7 @@ def decode_buffer(r: int, k: int, device) -> torch.Tensor:
     """fp16 [r, cdiv(k, DBK) * DBK], DBK = `gemm.fp4_block_k()`, for the decoded form of r rows of k values
     (the quantize kernels' decoded output, DBK > 1): zeros past k, which the kernel does not write."""
     dbk = fp4_block_k()
-    kp = triton.cdiv(k, dbk) * dbk
+    kp = cdiv(k, dbk) * dbk
     return (torch.empty if kp == k else torch.zeros)(r, kp, dtype=torch.float16, device=device)
 
 
@@ -252,7 +253,7 @@ def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None, decoded:
     if global_scale is not None:
         gs = global_scale.reshape(-1).contiguous()
         stride_gs = 0 if gs.numel() == 1 else 1
-    nb = min(QUANTIZE_MAX_NB, triton.next_power_of_2(k // BLOCK))
+    nb = min(QUANTIZE_MAX_NB, next_pow2(k // BLOCK))
     if r:
         _quantize_kernel[(r,)](
             x2, data, scale, gs, data if dec is None else dec, k, x2.stride(0), data.stride(0), scale.stride(0), stride_gs,
@@ -298,7 +299,7 @@ def quantize_many_triton(tensors: list, global_scales: torch.Tensor, decoded: bo
             counts = torch.tensor(rows, device=dev)
             _ROW_TENSOR[key] = torch.repeat_interleave(torch.arange(len(ts), device=dev, dtype=torch.int32), counts,
                                                        output_size=total)
-        nb = min(64, triton.next_power_of_2(max(t.shape[1] for t in ts) // BLOCK))
+        nb = min(64, next_pow2(max(t.shape[1] for t in ts) // BLOCK))
         _quantize_many_kernel[(total,)](meta_t, _ROW_TENSOR[key], global_scales.reshape(-1).float().contiguous(),
                                         XDT=_TL_DTYPES[first.dtype], NB=nb, DBK=fp4_block_k() if decoded else 1,
                                         num_warps=4)
@@ -336,7 +337,7 @@ def dequantize_triton(t: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
     if r:
         bf16_bits = dtype == torch.bfloat16  # (the same code on the GPU as under the CPU tests' interpreter)
         block_r, block_k = (16, 64) if interpreting() else (32, 256)
-        _dequantize_kernel[(triton.cdiv(r, block_r), triton.cdiv(k, block_k))](
+        _dequantize_kernel[(cdiv(r, block_r), cdiv(k, block_k))](
             data, scale, gs, out.view(torch.int16) if bf16_bits else out, r, k, data.stride(0), scale.stride(0),
             0 if t.global_scale.dim() == 0 else 1, out.stride(0),
             BF16_BITS=bf16_bits, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)

@@ -56,7 +56,7 @@ import triton.language as tl
 
 from ..nvfp4 import BLOCK as QBLOCK
 from . import pdl
-from .gemm import fp4_block_k, interpreting
+from .gemm import cdiv, fp4_block_k, interpreting, next_pow2
 from .quantize import decode_buffer, nvfp4_buffers, quantize_codes, row_global_scale, store_decoded
 
 
@@ -169,7 +169,7 @@ def _rms_norm_bwd_kernel(X, W, G, RSTD, DX, DW, R, N, sx, sg, sdx, nf, TILES,
 
 def rms_norm_config(n: int) -> tuple[int, int, int]:
     """(ROWS, BLOCK, num_warps) for feature size n: a function of n only (never of the row count)."""
-    block = triton.next_power_of_2(n)
+    block = next_pow2(n)
     if interpreting():
         return 4, block, 4
     rows = max(1, min(16, 2048 // block))
@@ -209,7 +209,7 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize
     xs = torch.empty(r, n, device=x.device, dtype=x.dtype) if delta is not None else None
     if r and n:
         rows, block, warps = rms_norm_config(n)
-        _rms_norm_fwd_kernel[(triton.cdiv(r, rows),)](
+        _rms_norm_fwd_kernel[(cdiv(r, rows),)](
             x2, w, y, rstd, *_quantize_args(q, y), d2 if d2 is not None else x2, xs if xs is not None else y, r, n,
             x2.stride(0), y.stride(0), d2.stride(0) if d2 is not None else 0, float(n), float(eps),
             ROWS=rows, BLOCK=block, QUANT=quantize, RESIDUAL=delta is not None, DBK=fp4_block_k() if decoded else 1,
@@ -232,9 +232,9 @@ def rms_norm_backward(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rs
     r, n = x2.shape
     dx = torch.empty(r, n, device=x.device, dtype=x.dtype)
     rows, block, warps = rms_norm_config(n)
-    tiles = triton.cdiv(r, rows)
-    per = triton.cdiv(tiles, _programs_cap(x.device)) if tiles else 1
-    programs = triton.cdiv(tiles, per)
+    tiles = cdiv(r, rows)
+    per = cdiv(tiles, _programs_cap(x.device)) if tiles else 1
+    programs = cdiv(tiles, per)
     dw_part = torch.zeros(max(programs, 1), n, device=x.device, dtype=torch.float32)
     if r and n:
         _rms_norm_bwd_kernel[(programs,)](x2, weight.contiguous(), g2, rstd, dx, dw_part, r, n, x2.stride(0),
@@ -365,14 +365,14 @@ def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, quantize: bool = Fals
     if not quantize:
         if gate.numel():
             block = _elementwise_block()
-            _silu_mul_fwd_kernel[(triton.cdiv(gate.numel(), block),)](gate, up, out, gate.numel(), BLOCK=block, num_warps=4,
+            _silu_mul_fwd_kernel[(cdiv(gate.numel(), block),)](gate, up, out, gate.numel(), BLOCK=block, num_warps=4,
                                                                         **pdl.launch(gate.device))
         return out
     n = gate.shape[-1]
     r = gate.numel() // n if n else 0
     q = _quantize_buffers(r, n, gate.device, decoded)
     if r and n:
-        nb = min(16 if interpreting() else 64, triton.next_power_of_2(n // QBLOCK))
+        nb = min(16 if interpreting() else 64, next_pow2(n // QBLOCK))
         _silu_mul_quantize_kernel[(r,)](gate, up, out, *_quantize_args(q, out), n, NB=nb, EVEN=n % (nb * QBLOCK) == 0,
                                         DBK=fp4_block_k() if decoded else 1, num_warps=4,
                                         **pdl.launch(gate.device))
@@ -398,7 +398,7 @@ class SiluMulFunction(torch.autograd.Function):
         dgate, dup = torch.empty_like(gate), torch.empty_like(up)
         if gate.numel():
             block = _elementwise_block()
-            _silu_mul_bwd_kernel[(triton.cdiv(gate.numel(), block),)](gate, up, g, dgate, dup, gate.numel(),
+            _silu_mul_bwd_kernel[(cdiv(gate.numel(), block),)](gate, up, g, dgate, dup, gate.numel(),
                                                                        BLOCK=block, num_warps=4)
         return dgate, dup, None, None
 
@@ -450,12 +450,12 @@ def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: 
     out = torch.empty_like(x)  # keeps x's layout (dense strides)
     if x.numel():
         half = d // 2
-        block_h = min(triton.next_power_of_2(h), 4 if interpreting() else 16)
-        grid = (b * t, triton.cdiv(h, block_h))
+        block_h = min(next_pow2(h), 4 if interpreting() else 16)
+        grid = (b * t, cdiv(h, block_h))
         _rope_kernel[grid](x, cos, sin, out, h, t, half, x.stride(0), x.stride(1), x.stride(2),
                            cos.stride(0), cos.stride(2), sin.stride(0), sin.stride(2),
                            out.stride(0), out.stride(1), out.stride(2),
-                           BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(half), BACKWARD=backward, num_warps=4)
+                           BLOCK_H=block_h, BLOCK_D=next_pow2(half), BACKWARD=backward, num_warps=4)
     return out
 
 

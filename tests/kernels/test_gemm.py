@@ -133,3 +133,14 @@ def test_max_k_chunks_caps_every_shape_and_rejects_bad_values():
     for bad in ("3", "0", "two", "-2"):
         run = _k_chunks_in_process({"MINITE_MAX_K_CHUNKS": bad}, n, k)
         assert run.returncode != 0 and "MINITE_MAX_K_CHUNKS" in run.stderr and "power of two" in run.stderr
+
+
+def test_the_launchers_integer_helpers_equal_tritons():
+    """`gemm.cdiv` / `gemm.next_pow2` (plain integers: Triton's are ~2 µs constexpr_function calls) give
+    `triton.cdiv` / `triton.next_power_of_2`'s values, powers of two and their neighbours included."""
+    import triton
+
+    ns = sorted({0, 1, 2, 3} | {p + d for p in (2 ** e for e in range(2, 40)) for d in (-1, 0, 1)})
+    assert [gemm.next_pow2(n) for n in ns] == [triton.next_power_of_2(n) for n in ns]
+    for b in (1, 2, 3, 16, 64, 128, 1000):
+        assert [gemm.cdiv(a, b) for a in ns] == [triton.cdiv(a, b) for a in ns], b

@@ -259,7 +259,9 @@ def test_bad_inputs_raise(device):
 
 @pytest.mark.skipif(HAS_CUDA, reason="CPU tensors without the interpreter")
 def test_triton_backend_refuses_cpu_tensors_without_interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from minite_core.kernels import gemm
+
+    monkeypatch.setattr(gemm, "_INTERPRET", False)  # (TRITON_INTERPRET is read once, at import)
     x = torch.ones(2, 16)
     cos = torch.ones(1, 1, 2, 16)
     with pytest.raises(ValueError, match="CUDA"):
