@@ -80,6 +80,6 @@ def e4m3_rows_triton(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if rp:
         block_r, block_c = (16, 32) if interpreting() else (16, 256)
         _e4m3_rows_kernel[(cdiv(rp, block_r),)](a, q, s, r, c, rp, cp, a.stride(0), a.stride(1), q.stride(0),
-                                                       HW_CVT=not interpreting(), BLOCK_R=block_r, BLOCK_C=block_c,
-                                                       num_warps=4)
+                                                HW_CVT=not interpreting(), BLOCK_R=block_r, BLOCK_C=block_c,
+                                                num_warps=4)
     return q.view(torch.float8_e4m3fn), s

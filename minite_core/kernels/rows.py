@@ -366,7 +366,7 @@ def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, quantize: bool = Fals
         if gate.numel():
             block = _elementwise_block()
             _silu_mul_fwd_kernel[(cdiv(gate.numel(), block),)](gate, up, out, gate.numel(), BLOCK=block, num_warps=4,
-                                                                        **pdl.launch(gate.device))
+                                                                 **pdl.launch(gate.device))
         return out
     n = gate.shape[-1]
     r = gate.numel() // n if n else 0
@@ -399,7 +399,7 @@ class SiluMulFunction(torch.autograd.Function):
         if gate.numel():
             block = _elementwise_block()
             _silu_mul_bwd_kernel[(cdiv(gate.numel(), block),)](gate, up, g, dgate, dup, gate.numel(),
-                                                                       BLOCK=block, num_warps=4)
+                                                                BLOCK=block, num_warps=4)
         return dgate, dup, None, None
 
 
