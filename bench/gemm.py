@@ -315,6 +315,19 @@ def decoded_sweep():
 LAYERS = {"0.6b": (1024, 2048, 1024, 3072), "1.7b": (2048, 2048, 1024, 6144)}
 
 
+def layer_shapes(h: int, nq: int, nkv: int, inter: int) -> dict[str, tuple[int, int]]:
+    """A Qwen3 layer's seven linear weights [N, K] by projection, from LAYERS' (hidden, q width, k/v width,
+    intermediate)."""
+    return {"q": (nq, h), "k": (nkv, h), "v": (nkv, h), "o": (h, nq), "gate": (inter, h), "up": (inter, h),
+            "down": (h, inter)}
+
+
+def do_bench(fn) -> float:
+    """Median seconds of fn called from Python (CUDA events: the host's launch time included where the GPU
+    waits on it), for what cannot replay from a CUDA graph (autograd) or should not (`bench` is that one)."""
+    return triton.testing.do_bench(fn, rep=200, return_mode="median") * 1e-3
+
+
 def decode_layer(ms=(16, 64), chunks=(1,)) -> list[dict]:
     """A layer's linears as a decode step runs them (M = batch rows), CUDA-graph medians:
       cublas-bf16   the seven bf16 matmuls (torch.matmul), after a torch RMSNorm
@@ -330,8 +343,7 @@ def decode_layer(ms=(16, 64), chunks=(1,)) -> list[dict]:
     rnd = lambda *s: torch.randn(*s, device="cuda", generator=g, dtype=torch.bfloat16)  # noqa: E731
     rows = []
     for name, (h, nq, nkv, inter) in LAYERS.items():
-        shapes = {"q": (nq, h), "k": (nkv, h), "v": (nkv, h), "o": (h, nq), "gate": (inter, h), "up": (inter, h),
-                  "down": (h, inter)}
+        shapes = layer_shapes(h, nq, nkv, inter)
         wb = {k: rnd(*s) * 0.02 for k, s in shapes.items()}
         wq = {k: nvfp4.quantize(w.float(), scale_mode="tensor") for k, w in wb.items()}
         norm_w = rnd(h) * 0.1 + 1
@@ -392,7 +404,7 @@ def learner_layer(m: int = 8192, timer=None, device: str = "cuda", layers: dict 
     q/k/v and gate/up as one call each, the o_proj and down inputs quantized by the call (in the model the
     norms and SiLU*up hand over q/k/v's, gate/up's and down's). Where the NVFP4 step's linears spend the time
     that the BF16 step's do not: the layer's forward and backward, without norms and attention."""
-    timer = timer or (lambda fn: triton.testing.do_bench(fn, rep=200, return_mode="median") * 1e-3)
+    timer = timer or do_bench
     graph_timer = graph_timer or bench
     g = torch.Generator(device=device).manual_seed(0)
     rnd = lambda *sh: torch.randn(*sh, device=device, generator=g)  # noqa: E731
@@ -400,8 +412,7 @@ def learner_layer(m: int = 8192, timer=None, device: str = "cuda", layers: dict 
     rows = []
     for name, (h, nq, nkv, inter) in (layers or LAYERS).items():
         calls = [("x", ("q", "k", "v")), ("a", ("o",)), ("x", ("gate", "up")), ("hs", ("down",))]
-        shapes = {"q": (nq, h), "k": (nkv, h), "v": (nkv, h), "o": (h, nq), "gate": (inter, h), "up": (inter, h),
-                  "down": (h, inter)}
+        shapes = layer_shapes(h, nq, nkv, inter)
         masters = {k: (rnd(*sh) * 0.02).requires_grad_(True) for k, sh in shapes.items()}
         # the learner's re-quantize: per-tensor scales, and the decoded form its wide forward tiles read
         wq = dict(zip(masters, ops.quantize_weights([w.detach() for w in masters.values()], backend="triton",
@@ -456,15 +467,14 @@ def backward_parts(m: int = 8192, timer=None, device: str = "cuda", layers: dict
                    masters straight
       wgrad-bf16   the same with bf16 out: BF16's (its weights are bf16 casts of the masters; autograd
                    casts the gradient back to fp32 after)"""
-    timer = timer or (lambda fn: triton.testing.do_bench(fn, rep=200, return_mode="median") * 1e-3)
+    timer = timer or do_bench
     g = torch.Generator(device=device).manual_seed(1)
     rnd = lambda *sh: torch.randn(*sh, device=device, generator=g)  # noqa: E731
     bf16, f32 = torch.bfloat16, torch.float32
     deq = lambda t: ops.dequantize(t, bf16, backend="triton")  # noqa: E731
     rows = []
     for name, (h, nq, nkv, inter) in (layers or LAYERS).items():
-        shapes = {"q": (nq, h), "k": (nkv, h), "v": (nkv, h), "o": (h, nq), "gate": (inter, h), "up": (inter, h),
-                  "down": (h, inter)}
+        shapes = layer_shapes(h, nq, nkv, inter)
         src = {"q": "x", "k": "x", "v": "x", "o": "a", "gate": "x2", "up": "x2", "down": "hs"}
         ws = dict(zip(shapes, ops.quantize_weights([rnd(*sh) * 0.02 for sh in shapes.values()], backend="triton",
                                                    decoded=True)))

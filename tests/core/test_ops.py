@@ -250,17 +250,13 @@ def test_a_weight_decoded_at_its_requantize_gives_the_gemm_its_bits(monkeypatch,
 
 
 def _model_linear_shapes() -> list[tuple[int, int]]:
-    """(N, K) of every linear weight of the benchmarks' Qwen3 configs (bench/common.py: 0.6B, 1.7B, and the
-    MoE's attention, dense MLP and experts)."""
-    from bench.common import CONFIGS
+    """(N, K) of every weight that NVFP4 precision quantizes in the benchmarks' Qwen3 configs (bench/common.py:
+    0.6B, 1.7B and the MoE's attention and experts), from the model's own list of its tensors."""
+    from bench.common import CONFIGS, make_config
+    from bench.sync_cost import is_quantized
 
-    shapes = set()
-    for c in CONFIGS.values():
-        h, q, kv = c["hidden_size"], c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
-        shapes |= {(q, h), (kv, h), (h, q)}
-        for inter in {c["intermediate_size"], c.get("moe_intermediate_size", c["intermediate_size"])}:
-            shapes |= {(inter, h), (h, inter)}
-    return sorted(shapes)
+    return sorted({shape for name in CONFIGS for t, shape in make_config(name, 4096).expected_shapes().items()
+                   if is_quantized(t)})
 
 
 # on the CPU interpreter two small stand-ins (S = 2 and 4 K chunks, both ending in a part K step): the same path
