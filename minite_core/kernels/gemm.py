@@ -20,8 +20,8 @@ The plain GEMM has the same two families (BLOCK_K = 64, one chain over K, no chu
 tiles for M <= 128 (a decode step's bf16 linears and lm_head), 128x128 above.
 
 K chunks (`k_chunks(N, K)`, a function of (N, K) only): the K loop is cut into S chunks of equal step
-count (S a power of two dividing cdiv(K, BLOCK_K); S > 1 where N alone gives too few programs to fill
-the GPU, e.g. S = 8 for N = K = 1024). The reduction order for (N, K) is then: per chunk, the MMA chain
+count (S a power of two dividing cdiv(K, BLOCK_K), at most 4; S > 1 where N alone gives too few programs
+to fill the GPU, e.g. S = 4 for N = K = 1024). The reduction order for (N, K) is then: per chunk, the MMA chain
 from zero over the chunk's steps (c_i); across chunks total = ((0 + c0) + c1) + ... in fp32, left to
 right; then the epilogue. M <= 128 (SPLIT): grid (tiles, S), program (t, i) writes c_i of its tile to
 an fp32 scratch [S, M, N] (torch.empty in the launcher: no sync, graph-capturable); the tile's last
