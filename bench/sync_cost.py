@@ -6,7 +6,7 @@ GPU, no weights, nothing downloaded.
 
 What one push carries is what `services/common/weights.py` streams: every tensor of
 `Qwen3Config.expected_shapes()` (the per-expert MoE layout; no lm_head when the embeddings are tied).
-In NVFP4 the linear layers (`minite_core.model.load._LINEAR`: q/k/v/o and the MLP / expert gate, up and
+In NVFP4 the linear layers (`minite_core.model.load.is_linear_weight`: q/k/v/o and the MLP / expert gate, up and
 down projections) travel packed: two e2m1 codes per byte, one e4m3 block scale (1 byte) per 16 values,
 one fp32 per-tensor global scale (4 bytes); everything else (embeddings, lm_head, norms, the MoE router)
 travels as bf16. In BF16 every tensor is 2 bytes per value. MB and GB are 10^6 and 10^9 bytes.
@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from minite_core.model.load import _LINEAR  # noqa: E402  (the names load_model quantizes in NVFP4)
+from minite_core.model.load import is_linear_weight  # noqa: E402  (the tensors load_model quantizes in NVFP4)
 from minite_core.model.qwen3 import Qwen3Config  # noqa: E402
 
 _COMMON = dict(vocab_size=151936, head_dim=128, attention_bias=False, rms_norm_eps=1e-6, rope_theta=1000000,
@@ -55,11 +55,6 @@ NVFP4_GBPS = 1.02  # docs/benchmarks.md, "The services": steady NVFP4 push, one 
 BF16_GBPS = 0.68   # the same run, BF16
 
 
-def is_quantized(name: str) -> bool:
-    """Whether load_model(precision="nvfp4") holds this weight packed (and so the push sends it packed)."""
-    return name.endswith(".weight") and name.split(".")[-2] in _LINEAR
-
-
 def tensor_bytes(shape: tuple, packed: bool) -> int:
     """Bytes one tensor puts on the wire: packed NVFP4 (codes + block scales + fp32 global scale) or bf16."""
     n = math.prod(shape)
@@ -81,7 +76,7 @@ def push_cost(cfg: dict) -> dict:
     for name, shape in shapes(cfg).items():
         params += math.prod(shape)
         bf16 += tensor_bytes(shape, False)
-        if is_quantized(name):
+        if is_linear_weight(name):
             nvfp4 += tensor_bytes(shape, True)
         else:
             nvfp4_plain += tensor_bytes(shape, False)

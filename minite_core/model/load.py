@@ -27,6 +27,12 @@ PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "nvfp4": torch.bflo
 _LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def is_linear_weight(name: str) -> bool:
+    """Whether a checkpoint tensor is a linear layer's weight: the ones NVFP4 precision holds packed (unless
+    `keep_bf16` names its layer), and so the ones a weight push sends packed."""
+    return name.endswith(".weight") and name.split(".")[-2] in _LINEAR
+
+
 def _split_fused_experts(tensors: dict) -> dict:
     """HF's in-memory MoE layout (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]) -> per expert."""
     out = {}
@@ -85,8 +91,7 @@ def load_model(path, *, precision: str = "bf16", backend: str = "torch", device=
     dtype = PRECISIONS[precision]
     weights = {}
     for name, t in tensors.items():
-        linear = name.endswith(".weight") and name.split(".")[-2] in _LINEAR
-        quantize = precision == "nvfp4" and linear and not _kept(name, keep_bf16, cfg.num_hidden_layers)
+        quantize = precision == "nvfp4" and is_linear_weight(name) and not _kept(name, keep_bf16, cfg.num_hidden_layers)
         if isinstance(t, NVFP4Tensor):
             weights[name] = t.to(device) if quantize else t.dequantize(dtype).to(device)
         elif quantize:

@@ -253,10 +253,10 @@ def _model_linear_shapes() -> list[tuple[int, int]]:
     """(N, K) of every weight that NVFP4 precision quantizes in the benchmarks' Qwen3 configs (bench/common.py:
     0.6B, 1.7B and the MoE's attention and experts), from the model's own list of its tensors."""
     from bench.common import CONFIGS, make_config
-    from bench.sync_cost import is_quantized
+    from minite_core.model.load import is_linear_weight
 
     return sorted({shape for name in CONFIGS for t, shape in make_config(name, 4096).expected_shapes().items()
-                   if is_quantized(t)})
+                   if is_linear_weight(t)})
 
 
 # on the CPU interpreter two small stand-ins (S = 2 and 4 K chunks, both ending in a part K step): the same path
