@@ -216,8 +216,10 @@ def test_overload_refuses_fast_stays_bounded_and_recovers(plain):
     assert recovered, (r.text, g)
     assert not grpc_only["other"] and grpc_only["refused"] >= 10, grpc_only
     # a refusal does not wait for the engine: the server answers it within milliseconds (it used to wait for
-    # the lock, behind steps the loop took back unfairly), and inside a burst well before the served requests
-    assert _q(probe_all, 0.5) < 0.025 and max(probe_all) < 0.25, probe_all
+    # the lock, behind steps the loop took back unfairly), and inside a burst well before the served requests.
+    # Bounds on the median and the 90th percentile, and a loose one on the worst: on two cores shared with the
+    # engine thread and the other test worker one probe in twenty was once descheduled for 1.3 s (1 CI run of 7)
+    assert _q(probe_all, 0.5) < 0.025 and _q(probe_all, 0.9) < 0.25 and max(probe_all) < 3.0, probe_all
     assert _q(refusals, 0.5) < 0.5 * _q(served, 0.5) and max(refusals) < 3.0, (refusals, served)
     # weight pushes and health checks keep a gRPC worker however many calls are queued
     assert health_worst < 1.0, health_worst
