@@ -231,9 +231,9 @@ def as_nvfp4(parts: tuple, shape: tuple, global_scale: torch.Tensor | None = Non
                        gs.reshape(lead + (1,)) if global_scale is None else global_scale, tuple(shape), decoded)
 
 
-# `_quantize_kernel`'s launch: warps per row program and the most blocks of 16 in one chunk of its walk. Neither
-# changes a bit (each block's arithmetic is the same in any tile, and a row's amax is a max); bench/gemm.py's
-# quantize sweep times the others.
+# `_quantize_kernel`'s and `_quantize_many_kernel`'s launch: warps per row program and the most blocks of 16 in
+# one chunk of its walk. Neither changes a bit (each block's arithmetic is the same in any tile, and a row's
+# amax is a max); bench/gemm.py's quantize sweep times the others.
 QUANTIZE_WARPS = 4
 QUANTIZE_MAX_NB = 64
 
@@ -299,10 +299,10 @@ def quantize_many_triton(tensors: list, global_scales: torch.Tensor, decoded: bo
             counts = torch.tensor(rows, device=dev)
             _ROW_TENSOR[key] = torch.repeat_interleave(torch.arange(len(ts), device=dev, dtype=torch.int32), counts,
                                                        output_size=total)
-        nb = min(64, next_pow2(max(t.shape[1] for t in ts) // BLOCK))
+        nb = min(QUANTIZE_MAX_NB, next_pow2(max(t.shape[1] for t in ts) // BLOCK))
         _quantize_many_kernel[(total,)](meta_t, _ROW_TENSOR[key], global_scales.reshape(-1).float().contiguous(),
                                         XDT=_TL_DTYPES[first.dtype], NB=nb, DBK=fp4_block_k() if decoded else 1,
-                                        num_warps=4)
+                                        num_warps=QUANTIZE_WARPS)
     return [as_nvfp4((data, scale, None), tuple(t.shape), global_scales[i], decoded=dec)
             for i, (t, (data, scale), dec) in enumerate(zip(tensors, outs, decs))]
 
