@@ -414,9 +414,10 @@ def learner_layer(m: int = 8192, timer=None, device: str = "cuda", layers: dict 
         calls = [("x", ("q", "k", "v")), ("a", ("o",)), ("x", ("gate", "up")), ("hs", ("down",))]
         shapes = layer_shapes(h, nq, nkv, inter)
         masters = {k: (rnd(*sh) * 0.02).requires_grad_(True) for k, sh in shapes.items()}
-        # the learner's re-quantize: per-tensor scales, and the decoded form its wide forward tiles read
+        # the learner's re-quantize: per-tensor scales, the decoded form its wide forward tiles read and the
+        # bf16 values its backward's dgrad reads
         wq = dict(zip(masters, ops.quantize_weights([w.detach() for w in masters.values()], backend="triton",
-                                                    decoded=True)))
+                                                    decoded=True, dequantized=True)))
         wb = {k: w.detach().to(bf16).requires_grad_(True) for k, w in masters.items()}
         inputs = {"x": rnd(m, h).to(bf16), "a": rnd(m, nq).to(bf16), "hs": rnd(m, inter).to(bf16)}
         inputs = {k: v.requires_grad_(True) for k, v in inputs.items()}
@@ -460,7 +461,8 @@ def learner_layer(m: int = 8192, timer=None, device: str = "cuda", layers: dict 
 def backward_parts(m: int = 8192, timer=None, device: str = "cuda", layers: dict | None = None) -> list[dict]:
     """The straight-through backward of a learner layer's linears (`backward.ste_cuda`), piece by piece, each
     summed over the layer (ms): where the NVFP4 backward's time goes against the BF16 one's.
-      deq-w        the 7 weights dequantized to bf16 (dgrad's operands; NVFP4 only)
+      deq-w        the 7 weights dequantized to bf16 (dgrad's operands; NVFP4 only; since 2026-12-06 the learner
+                   reads them from its re-quantize, `NVFP4Tensor.dequantized`, and no longer runs these)
       deq-x        the 4 saved activations Q(x) dequantized to bf16 (wgrad's operands; NVFP4 only)
       dgrad        the 7 products g @ W, bf16 out (both)
       wgrad-fp32   the 7 products g.T @ x with fp32 out (`out_dtype`): NVFP4's, whose gradients go to fp32

@@ -37,15 +37,15 @@ def _bwd_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return reference.mm_plain(pad_rows16(a), pad_rows16(b))
 
 
-def ste_cpu(g2: torch.Tensor, x2: torch.Tensor | None, w, xq: NVFP4Tensor | None):
+def ste_cpu(g2: torch.Tensor, x2: torch.Tensor | None, w, xq: NVFP4Tensor | None, dequantize=nvfp4.dequantize):
     """Straight-through on the dequantized operands, bf16-rounded, fp32 accumulation (NeMo-RL/TE's
     "dequantized" backward): dgrad = g @ deq(W), wgrad = g.T @ deq(Q(x)), with Q(x) the forward's own
     quantized activation (saved instead of x: 4.5 bits per value instead of 16). The CPU path (fixed-order
-    `reference.mm_plain`, fp32 operands); the GPU has `ste_cuda`."""
+    `reference.mm_plain`, fp32 operands); the GPU has `ste_cuda`. `dequantize`: as `ste_cuda`'s."""
     gb = g2.to(torch.bfloat16).float()
     if isinstance(w, NVFP4Tensor):
-        wd = w.dequantize(torch.bfloat16).float()
-        xd = xq.dequantize(torch.bfloat16).float()
+        wd = dequantize(w, torch.bfloat16).float()
+        xd = dequantize(xq, torch.bfloat16).float()
     else:
         wd, xd = w.float(), x2.float()
     return _bwd_mm(gb, wd.T.contiguous()), _bwd_mm(gb.T.contiguous(), xd.T.contiguous())
@@ -57,7 +57,9 @@ def ste_cuda(g2: torch.Tensor, x2: torch.Tensor | None, w, xq: NVFP4Tensor | Non
     grad_out is used as is), the operands dequantized straight to bf16, cuBLAS on transposed views with
     fp32 accumulation. grad_x comes out in x's dtype when that is bf16 (one rounding of the fp32
     accumulator, as the old fp32 result `.to(bf16)`), else fp32; grad_w in fp32 for fp32 masters, bf16
-    for bf16 weights. x_dtype / w_dtype None: that gradient is not needed (not computed)."""
+    for bf16 weights. x_dtype / w_dtype None: that gradient is not needed (not computed). `dequantize`:
+    `nvfp4.dequantize`'s bits (the caller's: `ops` passes one that reads a weight's bf16 form where it
+    carries one, `NVFP4Tensor.dequantized`, and dequantizes a shared activation once)."""
     bf16 = torch.bfloat16
     gb = g2.to(bf16)
     if isinstance(w, NVFP4Tensor):

@@ -81,6 +81,9 @@ class NVFP4Tensor:
                   (`kernels.gemm.decode_nvfp4`), written with the codes by the kernel that made them (the
                   learner's re-quantize of its weights, the quantizing row ops of activations that feed wide
                   tiles), so that the GEMM need not decode them again; the values the GEMM would decode.
+    dequantized:  optional: bf16 [..., K], `dequantize(self, torch.bfloat16)`'s values, written with the codes
+                  by the learner's re-quantize of its weights (`kernels.quantize.quantize_many_triton`), so
+                  that the straight-through backward need not dequantize each weight at every step.
     """
 
     data: torch.Tensor
@@ -88,6 +91,7 @@ class NVFP4Tensor:
     global_scale: torch.Tensor
     shape: torch.Size
     decoded: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
+    dequantized: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         self.shape = torch.Size(self.shape)
@@ -109,6 +113,10 @@ class NVFP4Tensor:
                                          or self.decoded.shape[0] != rows or self.decoded.shape[1] < k):
             raise ValueError(f"NVFP4Tensor.decoded must be float16 [{rows}, >= {k}], got "
                              f"{self.decoded.dtype} {tuple(self.decoded.shape)} for shape {tuple(self.shape)}")
+        if self.dequantized is not None and (self.dequantized.dtype != torch.bfloat16
+                                             or tuple(self.dequantized.shape) != tuple(self.shape)):
+            raise ValueError(f"NVFP4Tensor.dequantized must be bfloat16 {tuple(self.shape)}, got "
+                             f"{self.dequantized.dtype} {tuple(self.dequantized.shape)}")
 
     @property
     def device(self) -> torch.device:

@@ -91,15 +91,17 @@ def _decoded_for(x: torch.Tensor) -> bool:
     return decodes_activation(x.numel() // x.shape[-1] if x.shape[-1] else 0)
 
 
-def quantize_weights(tensors: list, *, backend: str | None = None, decoded: bool = False) -> list:
+def quantize_weights(tensors: list, *, backend: str | None = None, decoded: bool = False,
+                     dequantized: bool = False) -> list:
     """Per-tensor-scale NVFP4 of many weights (the learner's re-quantize of its masters), the same bits
     as `quantize(t, scale_mode="tensor")` of each. Triton backend: the amaxes in one multi-tensor
     reduction (max |x| is exact, so the global scales are the same), all the weights in one kernel launch
     (`quantize_many_triton`), then one finiteness check and host sync for all of them (an amax is finite iff
     its tensor is; checked after the launch, so the GPU quantizes while the host waits): no `abs()` /
     `isfinite()` copies of the weights, no sync and no launch per weight; `decoded`: the weights carry
-    their decoded form for the wide GEMM tiles (`NVFP4Tensor.decoded`), from the same launch. Torch
-    backend: `quantize` each (its GEMM reads the codes)."""
+    their decoded form for the wide GEMM tiles (`NVFP4Tensor.decoded`), from the same launch; `dequantized`:
+    their bf16 values for the straight-through backward (`NVFP4Tensor.dequantized`, +2 bytes a weight), from
+    the same launch too. Torch backend: `quantize` each (its GEMM reads the codes, its backward dequantizes)."""
     backend = resolve_backend(backend)
     if backend == "torch" or not tensors:
         return [quantize(t, scale_mode="tensor", backend=backend) for t in tensors]
@@ -113,7 +115,7 @@ def quantize_weights(tensors: list, *, backend: str | None = None, decoded: bool
         raise ValueError("quantize_weights: the tensors must share one dtype and one device")
     amax = torch.stack([a.float() for a in torch._foreach_norm(list(tensors), float("inf"))])
     out = quantize_many_triton([t.contiguous() for t in tensors], nvfp4.global_scale_from_amax(amax),
-                               decoded and OPERANDS_DECODED_ONCE)
+                               decoded and OPERANDS_DECODED_ONCE, dequantized)
     if not bool(torch.isfinite(amax).all()):
         bad = [i for i, ok in enumerate(torch.isfinite(amax).tolist()) if not ok]
         raise ValueError(f"tensors {bad} contain NaN or Inf values")
@@ -192,7 +194,7 @@ class _Linears(torch.autograd.Function):
         keep_x = xq is None or bwd == "nvfp4"
         ctx.save_for_backward(x if keep_x else None, *w_tensors)
         # (without its decoded form, which the backward does not read: 2 bytes a value held until it runs)
-        ctx.xq = None if keep_x else dataclasses.replace(xq, decoded=None)
+        ctx.xq = None if keep_x else dataclasses.replace(xq, decoded=None, dequantized=None)
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.ws, ctx.bwd, ctx.has_bias, ctx.backend = ws, bwd, [b is not None for b in biases], backend
         return tuple(out.reshape(*x.shape[:-1], w.shape[0]) for out, w in zip(outs, ws))
@@ -231,15 +233,18 @@ def _linear_grads(ctx, g2, x2, w, w_tensor, need_x: bool, need_w: bool, deq, sha
         return bwd.fp8_recipe(g2, x2, w, ctx.xq, need_x, need_w, deq, rows, ctx.x_dtype, shared)
     if g2.is_cuda:
         return bwd.ste_cuda(g2, x2, w, ctx.xq, ctx.x_dtype if need_x else None, w_tensor.dtype if need_w else None, deq)
-    return bwd.ste_cpu(g2.float(), x2, w, ctx.xq)  # CPU: the fixed-order fp32 path (reproducible resumes)
+    return bwd.ste_cpu(g2.float(), x2, w, ctx.xq, deq)  # CPU: the fixed-order fp32 path (reproducible resumes)
 
 
 def _dequantizer(backend: str, xq):
     """`dequantize` on `backend` that dequantizes the activation xq once: every weight's wgrad of one
-    `linears` call reads the same Q(x)."""
+    `linears` call reads the same Q(x); a weight that carries its bf16 values (`NVFP4Tensor.dequantized`, the
+    learner's, from its re-quantize) is not dequantized again."""
     done = {}
 
     def deq(t, dtype):
+        if t.dequantized is not None and dtype == t.dequantized.dtype:
+            return t.dequantized
         if t is not xq:
             return dequantize(t, dtype, backend=backend)
         if dtype not in done:

@@ -19,7 +19,10 @@ the decoded form of what it quantized (`store_decoded`, `NVFP4Tensor.decoded`: f
 the wide GEMM tile's layout, with the GEMM's own decode, so exactly the values the GEMM would decode): for
 the learner's weights (once per version) and for activations whose rows meet the decoded wide tiles, so
 the GEMM reads them instead of launching a decode of each operand at each call. DBK > 1 (the GEMM's K step,
-`gemm.fp4_block_k()`) turns it on; 1 off.
+`gemm.fp4_block_k()`) turns it on; 1 off. The learner's re-quantize (`quantize_many_triton`, `dequantized`)
+also writes each weight's bf16 values (`NVFP4Tensor.dequantized`, through the dequantize's own last step,
+`scaled_values`), which the straight-through backward reads instead of dequantizing every weight at every
+step (2 bytes a weight held, 196 launches a step fewer at the 0.6B shape).
 
 Dequantize decodes with the GEMM's own decode (`gemm.load_decode_step`: code * block scale, exact in fp16),
 then multiplies by the global scale in fp32 and rounds once to the output dtype: `nvfp4.dequantize`'s
@@ -92,24 +95,46 @@ def quantize_codes(x, gs, inv_gs):
 
 
 @triton.jit
+def decode_blocks(even, odd, s_code):
+    """Blocks' E2M1 codes (even / odd elements [B, 8]) and E4M3 scale bytes [B] -> their values, fp16 code *
+    block scale (exact), the even elements' and the odd ones', with the GEMM's decode."""
+    s16 = e4m3_to_fp16(s_code.to(tl.int16))[:, None]
+    return e2m1_to_fp16(even.to(tl.int16)) * s16, e2m1_to_fp16(odd.to(tl.int16)) * s16
+
+
+@triton.jit
 def store_decoded(o_ptr, off, kb, K, even, odd, s_code, DBK: tl.constexpr):
     """The decoded form of B blocks (`NVFP4Tensor.decoded`: fp16 code * block scale, with the GEMM's own decode,
     exact), in the wide tile's layout: each DBK-wide K step as its even elements, then its odd ones. even /
     odd: the blocks' E2M1 codes [B, 8], s_code their E4M3 scale bytes [B]; kb [B] each block's first k (blocks
     at kb >= K are not written), off [B] the offset from o_ptr of its row's decoded start."""
-    s16 = e4m3_to_fp16(s_code.to(tl.int16))[:, None]
+    dec_even, dec_odd = decode_blocks(even, odd, s_code)
     start = tl.multiple_of(off + (kb // DBK) * DBK + (kb % DBK) // 2, 8)  # (so each block's 8 values store as one)
     offs = start[:, None] + tl.arange(0, 8)[None, :]
     ok = (kb < K)[:, None]
-    tl.store(o_ptr + offs, e2m1_to_fp16(even.to(tl.int16)) * s16, mask=ok)
-    tl.store(o_ptr + offs + DBK // 2, e2m1_to_fp16(odd.to(tl.int16)) * s16, mask=ok)
+    tl.store(o_ptr + offs, dec_even, mask=ok)
+    tl.store(o_ptr + offs + DBK // 2, dec_odd, mask=ok)
 
 
 @triton.jit
-def _quantize_chunk(x_row, d_row, s_row, o_row, k0, K, gs, inv_gs, NB: tl.constexpr, MASKED: tl.constexpr,
-                    DBK: tl.constexpr):
+def scaled_values(even, odd, gs, BF16_BITS: tl.constexpr):
+    """`nvfp4.dequantize`'s last step on decoded halves (even / odd [R, C], fp16 code * block scale, exact):
+    each times the global scale gs ([R, 1] or [R, C]) in fp32, interleaved back into element order ([R, 2C]:
+    element 2j, then 2j + 1). BF16_BITS: rounded to bf16 on the fp32 bits, nearest even as torch rounds,
+    and returned as the int16 bits (the interpreter's fp32 -> bf16 cast truncates); else fp32, for the caller's
+    cast. The dequantize kernel and the weights' bf16 form from the quantize walk both end here."""
+    vals = tl.interleave(even.to(tl.float32) * gs, odd.to(tl.float32) * gs)
+    if BF16_BITS:  # (values are finite: no NaN to keep)
+        bits = vals.to(tl.int32, bitcast=True)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
+    return vals
+
+
+@triton.jit
+def _quantize_chunk(x_row, d_row, s_row, o_row, q_row, k0, K, gs, inv_gs, NB: tl.constexpr, MASKED: tl.constexpr,
+                    DBK: tl.constexpr, DQ: tl.constexpr):
     """The NB blocks of a row from k0 (MASKED: those past K left out); DBK > 1: their decoded form to o_row
-    too (`quantize_row`)."""
+    too; DQ: their bf16 dequantized values to q_row (the row's K values in order, as int16 bits) (`quantize_row`)."""
     blk = tl.arange(0, NB)
     offs16 = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
     offs8 = blk[:, None] * 8 + tl.arange(0, 8)[None, :]
@@ -127,26 +152,33 @@ def _quantize_chunk(x_row, d_row, s_row, o_row, k0, K, gs, inv_gs, NB: tl.conste
         tl.store(s_row + k0 // 16 + blk, s_code)
     if DBK > 1:
         store_decoded(o_row, tl.zeros([NB], dtype=tl.int32), k0 + blk * 16, K, even, odd, s_code, DBK)
+    if DQ:  # `nvfp4.dequantize(.., bf16)`: code * block scale (exact in fp16), times gs, rounded once
+        dec_even, dec_odd = decode_blocks(even, odd, s_code)
+        vals = scaled_values(dec_even, dec_odd, gs[:, None], True)
+        if MASKED:
+            tl.store(q_row + k0 + offs16, vals, mask=(k0 + offs16) < K)
+        else:
+            tl.store(q_row + k0 + offs16, vals)
 
 
 @triton.jit
-def quantize_row(x_row, d_row, s_row, o_row, K, gs, inv_gs, NB: tl.constexpr, EVEN_K: tl.constexpr,
-                 DBK: tl.constexpr):
+def quantize_row(x_row, d_row, s_row, o_row, q_row, K, gs, inv_gs, NB: tl.constexpr, EVEN_K: tl.constexpr,
+                 DBK: tl.constexpr, DQ: tl.constexpr = False):
     """The NVFP4 codes of one row of K values at x_row, walked in chunks of NB blocks held as an [NB, 16]
     tile: packed bytes to d_row, E4M3 scale bytes to s_row; gs and inv_gs = 1 / gs [NB], the row's global
     scale. The whole chunks without masks (so the loads and stores vectorize), then, unless EVEN_K (K a
     multiple of NB * 16), the last part chunk with them. DBK > 1: also the row as `gemm.decode_nvfp4(.., DBK)`
     gives it (fp16 code * block scale in the wide tile's layout) to o_row (cdiv(K, DBK) * DBK values; those
-    past K are left as they are)."""
+    past K are left as they are). DQ: also its bf16 dequantized values (`nvfp4.dequantize`'s bits) to q_row."""
     if EVEN_K:
         for k0 in range(0, K, NB * 16):
-            _quantize_chunk(x_row, d_row, s_row, o_row, k0, K, gs, inv_gs, NB, False, DBK)
+            _quantize_chunk(x_row, d_row, s_row, o_row, q_row, k0, K, gs, inv_gs, NB, False, DBK, DQ)
     else:
         whole = tl.multiple_of(K - K % (NB * 16), NB * 16)
         for k0 in range(0, whole, NB * 16):
-            _quantize_chunk(x_row, d_row, s_row, o_row, k0, K, gs, inv_gs, NB, False, DBK)
+            _quantize_chunk(x_row, d_row, s_row, o_row, q_row, k0, K, gs, inv_gs, NB, False, DBK, DQ)
         if whole < K:
-            _quantize_chunk(x_row, d_row, s_row, o_row, whole, K, gs, inv_gs, NB, True, DBK)
+            _quantize_chunk(x_row, d_row, s_row, o_row, q_row, whole, K, gs, inv_gs, NB, True, DBK, DQ)
 
 
 @triton.jit
@@ -178,18 +210,20 @@ def _quantize_kernel(
     gs = gs + tl.zeros([NB], dtype=tl.float32)
     inv_gs = tl.div_rn(tl.zeros([NB], dtype=tl.float32) + 1.0, gs)
     o_row = dec_ptr + row * ((K + DBK - 1) // DBK * DBK)
-    quantize_row(x_row, data_ptr + row * stride_data, scale_ptr + row * stride_scale, o_row, K, gs, inv_gs, NB, EVEN_K, DBK)
+    quantize_row(x_row, data_ptr + row * stride_data, scale_ptr + row * stride_scale, o_row, o_row, K, gs, inv_gs, NB,
+                 EVEN_K, DBK)
 
 
 @triton.jit
-def _quantize_many_kernel(meta_ptr, row_tensor_ptr, gs_ptr, XDT: tl.constexpr, NB: tl.constexpr, DBK: tl.constexpr):
+def _quantize_many_kernel(meta_ptr, row_tensor_ptr, gs_ptr, XDT: tl.constexpr, NB: tl.constexpr, DBK: tl.constexpr,
+                          DQ: tl.constexpr):
     """One program per row of many tensors, their rows numbered in tensor order: the row's tensor t
-    (row_tensor), t's x / packed / scale-byte addresses, K, first row and decoded-output address (meta [n, 6]
-    int64), and t's global scale gs[t]; then `_quantize_kernel`'s walk over the row (DBK > 1: which also
-    writes the row's decoded form)."""
+    (row_tensor), t's x / packed / scale-byte addresses, K, first row, decoded-output and bf16-output addresses
+    (meta [n, 7] int64), and t's global scale gs[t]; then `_quantize_kernel`'s walk over the row (DBK > 1:
+    which also writes the row's decoded form; DQ: its bf16 dequantized values)."""
     row = tl.program_id(0).to(tl.int64)
     t = tl.load(row_tensor_ptr + row)
-    m = meta_ptr + t.to(tl.int64) * 6
+    m = meta_ptr + t.to(tl.int64) * 7
     k = tl.multiple_of(tl.load(m + 3), 16)  # (K % 16 == 0: the launcher checks)
     r = row - tl.load(m + 4)
     # row starts: x at r * K elements (K a multiple of 16) of a 16-byte aligned tensor, its packed bytes at
@@ -199,9 +233,10 @@ def _quantize_many_kernel(meta_ptr, row_tensor_ptr, gs_ptr, XDT: tl.constexpr, N
     s_row = tl.load(m + 2).to(tl.pointer_type(tl.uint8)) + r * (k // 16)
     o_row = (tl.multiple_of(tl.load(m + 5).to(tl.pointer_type(tl.float16)), 16)  # (a fresh allocation: aligned)
              + tl.multiple_of(r * ((k + DBK - 1) // DBK * DBK), 16))
+    q_row = tl.multiple_of(tl.load(m + 6).to(tl.pointer_type(tl.int16)), 16) + tl.multiple_of(r * k, 16)
     gs = tl.load(gs_ptr + t) + tl.zeros([NB], dtype=tl.float32)
     inv_gs = tl.div_rn(tl.zeros([NB], dtype=tl.float32) + 1.0, gs)
-    quantize_row(x_row, d_row, s_row, o_row, k, gs, inv_gs, NB, False, DBK)
+    quantize_row(x_row, d_row, s_row, o_row, q_row, k, gs, inv_gs, NB, False, DBK, DQ)
 
 
 def nvfp4_buffers(r: int, k: int, device, row_scales: bool = True) -> tuple:
@@ -221,14 +256,16 @@ def decode_buffer(r: int, k: int, device) -> torch.Tensor:
 
 
 def as_nvfp4(parts: tuple, shape: tuple, global_scale: torch.Tensor | None = None,
-             decoded: torch.Tensor | None = None) -> NVFP4Tensor:
+             decoded: torch.Tensor | None = None, dequantized: torch.Tensor | None = None) -> NVFP4Tensor:
     """(packed, scale bytes, per-row global scales) of the rows of a tensor of `shape` -> its NVFP4Tensor;
-    `global_scale`: a given one instead of the per-row scales; `decoded`: its decoded form [rows, K padded]."""
+    `global_scale`: a given one instead of the per-row scales; `decoded`: its decoded form [rows, K padded];
+    `dequantized`: its bf16 values (`NVFP4Tensor.dequantized`)."""
     data, scale, gs, *rest = parts  # (a 4th part: the decoded form, as the row kernels return it)
     decoded = rest[0] if rest else decoded
     lead, k = tuple(shape[:-1]), shape[-1]
     return NVFP4Tensor(data.reshape(lead + (k // 2,)), scale.view(torch.float8_e4m3fn).reshape(lead + (k // BLOCK,)),
-                       gs.reshape(lead + (1,)) if global_scale is None else global_scale, tuple(shape), decoded)
+                       gs.reshape(lead + (1,)) if global_scale is None else global_scale, tuple(shape), decoded,
+                       dequantized)
 
 
 # `_quantize_kernel`'s and `_quantize_many_kernel`'s launch: warps per row program and the most blocks of 16 in
@@ -267,12 +304,15 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 _ROW_TENSOR: dict = {}  # (device, rows of each tensor) -> row -> tensor index, int32 (the learner's weights: one entry)
 
 
-def quantize_many_triton(tensors: list, global_scales: torch.Tensor, decoded: bool = False) -> list[NVFP4Tensor]:
+def quantize_many_triton(tensors: list, global_scales: torch.Tensor, decoded: bool = False,
+                         dequantized: bool = False) -> list[NVFP4Tensor]:
     """[quantize_triton(t, global_scales[i]) for i, t in enumerate(tensors)] in one launch, the same bits (the
     same row walk over the same blocks): the learner's re-quantize of all its weights, which took a launch
     per weight. Each tensor [..., K] (K a multiple of 16), all of one dtype and device (at least one tensor);
     global_scales [n]. `decoded`: each result carries its `decoded` form too (`gemm.decode_nvfp4`'s bits, from
-    the same launch), which the wide GEMM tiles read instead of decoding the weight at every call."""
+    the same launch), which the wide GEMM tiles read instead of decoding the weight at every call. `dequantized`:
+    each carries its bf16 dequantized form too (`nvfp4.dequantize(.., bf16)`'s bits, `NVFP4Tensor.dequantized`),
+    which the straight-through backward reads instead of dequantizing the weight at every step's backward."""
     first = tensors[0]
     ts = [t.reshape(-1, t.shape[-1]) for t in tensors]
     if any(t.stride(-1) != 1 or (t.shape[0] > 1 and t.stride(0) != t.shape[1]) for t in ts):
@@ -282,11 +322,13 @@ def quantize_many_triton(tensors: list, global_scales: torch.Tensor, decoded: bo
     ts = [t if t.data_ptr() % 16 == 0 else t.clone() for t in ts]  # (the kernel's alignment hint; views may be off)
     outs = [nvfp4_buffers(t.shape[0], t.shape[1], t.device, row_scales=False)[:2] for t in ts]  # fresh: aligned
     decs = [decode_buffer(t.shape[0], t.shape[1], t.device) if decoded else None for t in ts]
+    deqs = [torch.empty(t.shape, dtype=torch.bfloat16, device=t.device) if dequantized else None for t in ts]
     rows = tuple(t.shape[0] for t in ts)
     total, start = sum(rows), 0
     meta = []
-    for t, (data, scale), dec, n in zip(ts, outs, decs, rows):
-        meta.append((t.data_ptr(), data.data_ptr(), scale.data_ptr(), t.shape[1], start, dec.data_ptr() if decoded else 0))
+    for t, (data, scale), dec, deq, n in zip(ts, outs, decs, deqs, rows):
+        meta.append((t.data_ptr(), data.data_ptr(), scale.data_ptr(), t.shape[1], start,
+                     dec.data_ptr() if decoded else 0, deq.data_ptr() if dequantized else 0))
         start += n
     if total:
         dev = first.device
@@ -302,9 +344,10 @@ def quantize_many_triton(tensors: list, global_scales: torch.Tensor, decoded: bo
         nb = min(QUANTIZE_MAX_NB, next_pow2(max(t.shape[1] for t in ts) // BLOCK))
         _quantize_many_kernel[(total,)](meta_t, _ROW_TENSOR[key], global_scales.reshape(-1).float().contiguous(),
                                         XDT=_TL_DTYPES[first.dtype], NB=nb, DBK=fp4_block_k() if decoded else 1,
-                                        num_warps=QUANTIZE_WARPS)
-    return [as_nvfp4((data, scale, None), tuple(t.shape), global_scales[i], decoded=dec)
-            for i, (t, (data, scale), dec) in enumerate(zip(tensors, outs, decs))]
+                                        DQ=dequantized, num_warps=QUANTIZE_WARPS)
+    return [as_nvfp4((data, scale, None), tuple(t.shape), global_scales[i], decoded=dec,
+                     dequantized=None if deq is None else deq.view(t.shape))
+            for i, (t, (data, scale), dec, deq) in enumerate(zip(tensors, outs, decs, deqs))]
 
 
 @triton.jit
@@ -317,10 +360,7 @@ def _dequantize_kernel(p_ptr, s_ptr, gs_ptr, o_ptr, R, K, stride_p, stride_s, st
     ok = rows < R
     even, odd = load_decode_step(p_ptr, s_ptr, rows, ok, k0, K, stride_p, stride_s, BLOCK_R, BLOCK_K)
     gs = tl.load(gs_ptr + rows * stride_gs, mask=ok, other=1.0)[:, None]
-    vals = tl.interleave(even.to(tl.float32) * gs, odd.to(tl.float32) * gs)  # element 2j, then 2j + 1
-    if BF16_BITS:  # (values are finite: no NaN to keep)
-        bits = vals.to(tl.int32, bitcast=True)
-        vals = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
+    vals = scaled_values(even, odd, gs, BF16_BITS)
     k = k0 + tl.arange(0, BLOCK_K)
     tl.store(o_ptr + rows[:, None] * stride_o + k[None, :], vals.to(o_ptr.dtype.element_ty), mask=ok[:, None] & (k < K)[None, :])
 

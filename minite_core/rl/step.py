@@ -35,9 +35,10 @@ def requantize(model, masters: dict, *, block_2d: bool = False) -> None:
             model.w[n] = nvfp4.quantize(masters[n].detach(), scale_mode="tensor", block_2d=True)
     else:
         # decoded: the 2-D weights also carry their fp16 decoded form, which the learner's wide forward GEMMs
-        # read instead of decoding each weight at every step (one launch for all of it, here)
+        # read instead of decoding each weight at every step; dequantized: their bf16 values, which the
+        # backward's dgrad reads instead of dequantizing each weight at every step (one launch for all, here)
         for n, q in zip(fp4, ops.quantize_weights([masters[n].detach() for n in fp4], backend=model.backend,
-                                                  decoded=True)):
+                                                  decoded=True, dequantized=True)):
             model.w[n] = q
     for n, m in masters.items():
         if not isinstance(model.w[n], NVFP4Tensor):

@@ -173,6 +173,38 @@ def test_quantize_weights_same_bits_as_one_at_a_time(backend):
             ops.quantize_weights([ws[0], _rand(4, 24, seed=24, device=dev)], backend=backend)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="no triton")
+def test_a_weight_that_carries_its_bf16_values_has_the_gradients_of_one_dequantized_in_the_backward():
+    """The learner's re-quantize hands each weight its bf16 values (`quantize_weights(dequantized=True)`,
+    `NVFP4Tensor.dequantized`), which the straight-through backward reads instead of dequantizing the weight:
+    the gradients are those of the weight without it, bit for bit; and it is what the backward reads (a
+    weight whose bf16 form is altered gets another grad_x)."""
+    import dataclasses
+
+    dev = "cuda" if HAS_CUDA else "cpu"
+    m, n, k = 40, 48, 96
+    master = (_rand(n, k, seed=31, device=dev) * 0.1).requires_grad_(True)
+    x0 = _rand(m, k, seed=32, device=dev, dtype=BF16)
+    g = _rand(m, n, seed=33, device=dev).to(BF16)
+    cached, = ops.quantize_weights([master.detach()], backend="triton", dequantized=True)
+    assert cached.dequantized is not None and cached.dequantized.dtype == BF16 and cached.dequantized.shape == (n, k)
+    assert torch.equal(cached.dequantized.view(torch.int16), nvfp4.dequantize(cached, BF16).view(torch.int16))
+
+    def grads(w):
+        x = x0.clone().requires_grad_(True)
+        master.grad = None
+        ops.linear(x, w, master=master, backend="triton").backward(g)
+        return x.grad, master.grad
+
+    plain = dataclasses.replace(cached, dequantized=None)
+    (gx, gw), (rx, rw) = grads(cached), grads(plain)
+    assert torch.equal(gx, rx) and torch.equal(gw, rw)
+    altered = dataclasses.replace(cached, dequantized=cached.dequantized * 2)
+    assert not torch.equal(grads(altered)[0], rx)
+    with pytest.raises(ValueError, match="dequantized must be bfloat16"):
+        dataclasses.replace(cached, dequantized=cached.dequantized.float())
+
+
 def test_optimizer_and_clip():
     p = torch.nn.Parameter(torch.ones(4))
     opt = rl_step.make_optimizer([p], lr=0.1)

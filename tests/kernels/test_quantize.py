@@ -83,6 +83,14 @@ def test_many_tensors_in_one_launch_have_the_bits_of_one_launch_each(dtype):
         rows = nvfp4.NVFP4Tensor(q.data.reshape(-1, k // 2), q.scale.reshape(-1, k // 16), q.global_scale, (t.numel() // k, k))
         ref = decode_nvfp4(rows, fp4_block_k())
         assert d.decoded.shape == ref.shape and torch.equal(d.decoded, ref), tuple(t.shape)
+    # dequantized=True: the same codes, and each tensor's bf16 form == the torch dequantize of its codes, bit
+    # for bit (the rounding of the global-scale product: values from 10^-3 to 10^2 and a zero tensor)
+    for t, q, d in zip(ts, got, quantize_many_triton(ts, gs, decoded=True, dequantized=True)):
+        assert torch.equal(q.data, d.data) and torch.equal(q.scale.view(torch.uint8), d.scale.view(torch.uint8))
+        ref = nvfp4.dequantize(q, torch.bfloat16)
+        assert d.dequantized.dtype == torch.bfloat16 and d.dequantized.shape == t.shape
+        assert torch.equal(d.dequantized.view(torch.int16), ref.view(torch.int16)), tuple(t.shape)
+        assert d.decoded is not None
     with pytest.raises(ValueError, match="one dtype"):
         quantize_many_triton([ts[0], ts[1].double()], gs[:2])
     with pytest.raises(ValueError, match="contiguous"):
