@@ -223,8 +223,8 @@ def sm90_cases() -> list[tuple]:
                   dict(a_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32")))
     cases.append(("quantize_row_gs", qmod._quantize_kernel, dict(ROW_GS=True, NB=64, EVEN_K=True, DBK=128),
                   dict(BLOCK_M=1, BLOCK_N=1024, BLOCK_K=16, num_warps=4, num_stages=1), ("stride_gs",), 1))
-    # the learner's re-quantize: every weight in one launch (fp32 masters), with the decoded form
-    cases.append(("quantize_many", qmod._quantize_many_kernel, dict(XDT=tl.float32, NB=64, DBK=128),
+    # the learner's re-quantize: every weight in one launch (fp32 masters), with the decoded form and the bf16 values
+    cases.append(("quantize_many", qmod._quantize_many_kernel, dict(XDT=tl.float32, NB=64, DBK=128, DQ=True),
                   dict(BLOCK_M=1, BLOCK_N=1024, BLOCK_K=16, num_warps=4, num_stages=1), (), 1,
                   dict(meta_ptr="*i64", row_tensor_ptr="*i32", gs_ptr="*fp32")))
     cases.append(("silu_mul", rows_mod._silu_mul_fwd_kernel, dict(BLOCK=1024),

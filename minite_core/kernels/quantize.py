@@ -126,7 +126,7 @@ def scaled_values(even, odd, gs, BF16_BITS: tl.constexpr):
     vals = tl.interleave(even.to(tl.float32) * gs, odd.to(tl.float32) * gs)
     if BF16_BITS:  # (values are finite: no NaN to keep)
         bits = vals.to(tl.int32, bitcast=True)
-        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
+        vals = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
     return vals
 
 
