@@ -73,10 +73,13 @@ def kernel_breakdown(kernels: list[tuple[str, float, float]]) -> dict:
 
 def profiled(step, device: str = "cuda"):
     """One call of `step` under torch.profiler, recording `device`'s kernels ("cuda"; "cpu" records the CPU
-    ops, which the tests use to run this path without a GPU) -> the profiler (`kernel_intervals` reads it)."""
+    ops, which the tests use to run this path without a GPU) -> the profiler (`kernel_intervals` reads it).
+    On "cuda" the host's side is recorded too (ops, autograd functions, CUDA runtime calls: launches, copies,
+    syncs), for a table by host time where the GPU idles."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
         step()
         if device == "cuda":
             torch.cuda.synchronize()

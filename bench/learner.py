@@ -146,8 +146,11 @@ def profile(name: str, step, step_s: float, device: str = "cuda") -> None:
           f"({b['busy'] / step_s:.0%}; idle {max(0.0, step_s - b['busy']) * 1e3:.1f} ms), {b['kernels']} kernels")
     for fam, (sec, n) in sorted(b["families"].items(), key=lambda kv: -kv[1][0]):
         print(f"    {fam:30s} {sec * 1e3:8.1f} ms {n:6d} kernels")
-    print(prof.key_averages().table(sort_by="cuda_time_total" if device == "cuda" else "cpu_time_total", row_limit=25,
-                                    max_name_column_width=60))
+    ev = prof.key_averages()
+    print(ev.table(sort_by="cuda_time_total" if device == "cuda" else "cpu_time_total", row_limit=25,
+                   max_name_column_width=60))
+    if device == "cuda":  # where the host spends the step (a GPU that idles waits on these): ops, launches, syncs
+        print(ev.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
 
 
 def main() -> None:
