@@ -117,19 +117,25 @@ def _k_chunks_in_process(env: dict, n: int, k: int):
     import subprocess
     import sys
     code = f"from minite_core.kernels import gemm; print(gemm.k_chunks({n}, {k}))"
-    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True)
+    base = {key: v for key, v in os.environ.items() if key != "MINITE_MAX_K_CHUNKS"}
+    return subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True)
 
 
-def test_max_k_chunks_caps_every_shape_and_rejects_bad_values():
+def test_max_k_chunks_caps_every_shape_and_rejects_bad_values(monkeypatch):
     """MINITE_MAX_K_CHUNKS caps S for every (N, K) in the process (both engines import the one module):
-    the benchmarks' way to weigh fewer chunks (the learner's wide tiles) against more (the decode's programs)."""
-    n, k = 64, 4096  # few column tiles, many K steps: a large S by default
-    default = gemm.k_chunks(n, k)
-    assert default >= 4
-    for cap in (1, 2, default * 2):
+    the benchmarks' way to weigh fewer chunks (the learner's wide tiles) against more (the decode's programs).
+    Without it the cap is DEFAULT_MAX_CHUNKS."""
+    n, k = 64, 4096  # few column tiles, many K steps: a large S without a cap (32 on the GPU, 4 interpreted)
+    with monkeypatch.context() as mp:
+        mp.setattr(gemm, "MAX_CHUNKS", 1 << 20)
+        uncapped = gemm.k_chunks(n, k)
+    assert uncapped >= 4 and gemm.k_chunks(n, k) == min(gemm.DEFAULT_MAX_CHUNKS, uncapped)
+    for cap in (1, 2, uncapped * 2):
         run = _k_chunks_in_process({"MINITE_MAX_K_CHUNKS": str(cap)}, n, k)
         assert run.returncode == 0, run.stderr
-        assert int(run.stdout) == min(cap, default)
+        assert int(run.stdout) == min(cap, uncapped)
+    run = _k_chunks_in_process({}, n, k)
+    assert run.returncode == 0 and int(run.stdout) == min(gemm.DEFAULT_MAX_CHUNKS, uncapped), run.stderr
     for bad in ("3", "0", "two", "-2"):
         run = _k_chunks_in_process({"MINITE_MAX_K_CHUNKS": bad}, n, k)
         assert run.returncode != 0 and "MINITE_MAX_K_CHUNKS" in run.stderr and "power of two" in run.stderr
