@@ -211,7 +211,7 @@ def _quantize_kernel(
     inv_gs = tl.div_rn(tl.zeros([NB], dtype=tl.float32) + 1.0, gs)
     o_row = dec_ptr + row * ((K + DBK - 1) // DBK * DBK)
     quantize_row(x_row, data_ptr + row * stride_data, scale_ptr + row * stride_scale, o_row, o_row, K, gs, inv_gs, NB,
-                 EVEN_K, DBK)
+                 EVEN_K, DBK)  # (no bf16 output for activations: DQ off, its pointer unused)
 
 
 @triton.jit
