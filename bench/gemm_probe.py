@@ -227,6 +227,12 @@ def sm90_cases() -> list[tuple]:
     cases.append(("quantize_many", qmod._quantize_many_kernel, dict(XDT=tl.float32, NB=64, DBK=128, DQ=True),
                   dict(BLOCK_M=1, BLOCK_N=1024, BLOCK_K=16, num_warps=4, num_stages=1), (), 1,
                   dict(meta_ptr="*i64", row_tensor_ptr="*i32", gs_ptr="*fp32")))
+    br, bk = qmod.DEQUANTIZE_TILE
+    for bits in (True, False):  # the backward's dequantize: bf16 rounded on the bits, or fp32
+        cases.append((f"dequantize_{'bf16' if bits else 'fp32'}", qmod._dequantize_kernel,
+                      dict(BF16_BITS=bits, BLOCK_R=br, BLOCK_K=bk),
+                      dict(BLOCK_M=br, BLOCK_N=1, BLOCK_K=bk, num_warps=4, num_stages=1), ("stride_gs",), br,
+                      dict(p_ptr="*u8", s_ptr="*u8", gs_ptr="*fp32", o_ptr="*i16" if bits else "*fp32")))
     cases.append(("silu_mul", rows_mod._silu_mul_fwd_kernel, dict(BLOCK=1024),
                   dict(BLOCK_M=1, BLOCK_N=1024, BLOCK_K=16, num_warps=4, num_stages=1), (), 1))
     bm, bn, sn = att_mod.attention_config()  # decode: a KV head's query heads in one tile, the cache rows by slot

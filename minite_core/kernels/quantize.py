@@ -365,6 +365,9 @@ def _dequantize_kernel(p_ptr, s_ptr, gs_ptr, o_ptr, R, K, stride_p, stride_s, st
     tl.store(o_ptr + rows[:, None] * stride_o + k[None, :], vals.to(o_ptr.dtype.element_ty), mask=ok[:, None] & (k < K)[None, :])
 
 
+DEQUANTIZE_TILE = (32, 256)  # `_dequantize_kernel`'s rows x K per program on the GPU (the interpreter: 16 x 64)
+
+
 def dequantize_triton(t: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`nvfp4.dequantize(t, dtype)`, the same bits, in one kernel."""
     check_decode(t.data.device, t)
@@ -376,7 +379,7 @@ def dequantize_triton(t: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(r, k, dtype=dtype, device=data.device)
     if r:
         bf16_bits = dtype == torch.bfloat16  # (the same code on the GPU as under the CPU tests' interpreter)
-        block_r, block_k = (16, 64) if interpreting() else (32, 256)
+        block_r, block_k = (16, 64) if interpreting() else DEQUANTIZE_TILE
         _dequantize_kernel[(cdiv(r, block_r), cdiv(k, block_k))](
             data, scale, gs, out.view(torch.int16) if bf16_bits else out, r, k, data.stride(0), scale.stride(0),
             0 if t.global_scale.dim() == 0 else 1, out.stride(0),
