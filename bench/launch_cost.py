@@ -88,6 +88,8 @@ def main():
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = ap.parse_args()
+    if args.calls < 1:
+        ap.error(f"--calls must be at least 1, got {args.calls}")
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is defined
     import torch
