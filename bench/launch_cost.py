@@ -1,7 +1,7 @@
 """Host time per call of the learner's and the rollout's ops at tiny sizes (GPU): what one call costs the host
 when the GPU keeps up, so whether a host-bound step is paying per launch, and for which op.
 
-    python bench/launch_cost.py [--calls 200]
+    python bench/launch_cost.py [--calls 200] [--cprofile gemm_kernel,quantize]
 
 Each op runs on inputs so small that the GPU finishes a call faster than the host issues the next; the time
 of `calls` calls back to back, without a sync between them, divided by `calls`, is then the host's cost of
@@ -12,6 +12,9 @@ a BF16 `linears` forward and backward through autograd as the learner runs them.
 NVFP4 learner step's forward and backward were host-bound by ~30 and ~76 ms more than BF16's, with only 28
 and 112 Triton launches more (docs/benchmarks.md); this table says whether a launch of ours costs tens of
 microseconds there or hundreds.
+
+`--cprofile` names substrings of rows: each such row runs again under cProfile and its top functions by own
+time are printed (where a launch's host time goes: our wrapper, Triton's binder and cache key, its C launcher).
 
 `--device cpu` runs the same calls on the CPU under the Triton interpreter (the tests: the script's paths,
 not a measurement).
@@ -87,6 +90,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--cprofile", default="", help="comma-separated substrings of the rows to profile with cProfile")
     args = ap.parse_args()
     if args.calls < 1:
         ap.error(f"--calls must be at least 1, got {args.calls}")
@@ -98,10 +102,35 @@ def main():
         sys.exit("bench/launch_cost.py needs a CUDA GPU (or --device cpu for a dry run)")
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     warmup = 3 if args.device == "cuda" else 1
-    rows = [(name, host_us(fn, args.calls, sync, warmup)) for name, fn in cases(args.device)]
+    ops_ = cases(args.device)
+    rows = [(name, host_us(fn, args.calls, sync, warmup)) for name, fn in ops_]
     print(f"host time per call, {args.calls} calls back to back, tiny inputs, {args.device}")
     for name, us in rows:
         print(f"launch {name:52s} {us:9.1f} us")
+    wanted = [w for w in args.cprofile.split(",") if w]
+    for name, fn in ops_:
+        if any(w in name for w in wanted):
+            print(f"\ncprofile {name}: {args.calls} calls, functions by own time")
+            print(cprofiled(fn, args.calls, sync))
+
+
+def cprofiled(fn, calls: int, sync, top: int = 14) -> str:
+    """The top functions by own time of `calls` calls of `fn` under cProfile."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    sync()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    lines = out.getvalue().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls"))
+    return "\n".join(lines[start:start + top + 1])
 
 
 if __name__ == "__main__":
