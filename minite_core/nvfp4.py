@@ -118,6 +118,20 @@ class NVFP4Tensor:
             raise ValueError(f"NVFP4Tensor.dequantized must be bfloat16 {tuple(self.shape)}, got "
                              f"{self.dequantized.dtype} {tuple(self.dequantized.shape)}")
 
+    @classmethod
+    def trusted(cls, data, scale, global_scale, shape, decoded=None, dequantized=None) -> "NVFP4Tensor":
+        """An NVFP4Tensor of parts that our own code has just made consistent (a kernel's outputs, a reshape or a
+        part-drop of a checked tensor), built without `__post_init__`'s checks: those cost ~5 µs a tensor on a
+        CPU, and a learner forward builds ~300 (the GPU waits on its host there). Not for parts from a user."""
+        t = object.__new__(cls)
+        t.data, t.scale, t.global_scale, t.shape = data, scale, global_scale, torch.Size(shape)
+        t.decoded, t.dequantized = decoded, dequantized
+        return t
+
+    def without_caches(self) -> "NVFP4Tensor":
+        """The same codes without the decoded and dequantized forms (what a saved activation keeps)."""
+        return NVFP4Tensor.trusted(self.data, self.scale, self.global_scale, self.shape)
+
     @property
     def device(self) -> torch.device:
         return self.data.device

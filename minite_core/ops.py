@@ -23,7 +23,6 @@ counts what a decode step launches.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import NamedTuple
 
@@ -194,7 +193,7 @@ class _Linears(torch.autograd.Function):
         keep_x = xq is None or bwd == "nvfp4"
         ctx.save_for_backward(x if keep_x else None, *w_tensors)
         # (without its decoded form, which the backward does not read: 2 bytes a value held until it runs)
-        ctx.xq = None if keep_x else dataclasses.replace(xq, decoded=None, dequantized=None)
+        ctx.xq = None if keep_x else xq.without_caches()
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.ws, ctx.bwd, ctx.has_bias, ctx.backend = ws, bwd, [b is not None for b in biases], backend
         return tuple(out.reshape(*x.shape[:-1], w.shape[0]) for out, w in zip(outs, ws))
@@ -326,8 +325,8 @@ def linears(
             raise ValueError("linears: xq is the per-row NVFP4 activation of NVFP4 weights (scale_mode 'row')")
         if not isinstance(xq, NVFP4Tensor) or tuple(xq.shape) != tuple(x.shape) or not xq.per_row:
             raise ValueError(f"linears: xq must be the per-row NVFP4Tensor of x {tuple(x.shape)}")
-        xq = NVFP4Tensor(xq.data.reshape(-1, xq.data.shape[-1]), xq.scale.reshape(-1, xq.scale.shape[-1]),
-                         xq.global_scale.reshape(-1, 1), (x.numel() // x.shape[-1], x.shape[-1]), xq.decoded)
+        xq = NVFP4Tensor.trusted(xq.data.reshape(-1, xq.data.shape[-1]), xq.scale.reshape(-1, xq.scale.shape[-1]),
+                                 xq.global_scale.reshape(-1, 1), (x.numel() // x.shape[-1], x.shape[-1]), xq.decoded)
     out_dtype = out_dtype or x.dtype
     w_tensors = [m if m is not None or isinstance(w, NVFP4Tensor) else w for w, m in zip(ws, masters)]
     return list(_Linears.apply(x, tuple(ws), xq, out_dtype, backend, scale_mode, backward, *w_tensors, *biases))

@@ -263,9 +263,9 @@ def as_nvfp4(parts: tuple, shape: tuple, global_scale: torch.Tensor | None = Non
     data, scale, gs, *rest = parts  # (a 4th part: the decoded form, as the row kernels return it)
     decoded = rest[0] if rest else decoded
     lead, k = tuple(shape[:-1]), shape[-1]
-    return NVFP4Tensor(data.reshape(lead + (k // 2,)), scale.view(torch.float8_e4m3fn).reshape(lead + (k // BLOCK,)),
-                       gs.reshape(lead + (1,)) if global_scale is None else global_scale, tuple(shape), decoded,
-                       dequantized)
+    return NVFP4Tensor.trusted(data.reshape(lead + (k // 2,)), scale.view(torch.float8_e4m3fn).reshape(lead + (k // BLOCK,)),
+                               gs.reshape(lead + (1,)) if global_scale is None else global_scale, shape, decoded,
+                               dequantized)
 
 
 # `_quantize_kernel`'s and `_quantize_many_kernel`'s launch: warps per row program and the most blocks of 16 in

@@ -97,6 +97,36 @@ def test_many_tensors_in_one_launch_have_the_bits_of_one_launch_each(dtype):
         quantize_many_triton([ts[1].T], gs[:1])
 
 
+def _checked(t: nvfp4.NVFP4Tensor) -> None:
+    """t passes the checks it was built without (`NVFP4Tensor.trusted`): a constructor that validates raises else."""
+    nvfp4.NVFP4Tensor(t.data, t.scale, t.global_scale, t.shape, t.decoded, t.dequantized)
+    assert isinstance(t.shape, torch.Size)
+
+
+def test_kernel_outputs_built_unchecked_pass_the_checks():
+    """The quantize kernels' NVFP4Tensors (built by `NVFP4Tensor.trusted`, skipping the checks) are what the
+    checks accept: each quantizing launcher, with and without its decoded and dequantized forms, on a 3-D input
+    whose rows are not a whole tile; and the saved activation (`without_caches`) drops just the two forms."""
+    from minite_core import ops
+    from minite_core.kernels.quantize import quantize_many_triton, quantize_triton
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 5, 96, generator=g).to(device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(40, 96, generator=g).to(DEVICE)
+    outs = [quantize_triton(x, None), quantize_triton(x, None, decoded=True),
+            *quantize_many_triton([w, w[:8]], nvfp4.global_scale_from_amax(w.abs().amax().repeat(2)),
+                                  decoded=True, dequantized=True),
+            ops.rms_norm(x, torch.ones(96, device=DEVICE), backend="triton", quantize=True)[1]]
+    for t in outs:
+        _checked(t)
+    assert outs[1].decoded is not None and outs[2].dequantized is not None
+    bare = outs[2].without_caches()
+    _checked(bare)
+    assert bare.decoded is None and bare.dequantized is None and bare.data is outs[2].data
+    with pytest.raises(ValueError, match="scale must be"):  # the checks themselves still run on a plain build
+        nvfp4.NVFP4Tensor(bare.data, bare.scale.view(torch.uint8), bare.global_scale, bare.shape)
+
+
 COMPILE_SCRIPT = r"""
 import json
 import bench.gemm_probe as gp
