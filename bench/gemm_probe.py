@@ -169,8 +169,12 @@ def sm90_cases() -> list[tuple]:
     # of one step
     for (n_, k_), ms in ((SHAPE, (1, 16, 32, 64, 128, 4096)), ((1024, 1024), (16, 64, 4096)), ((16384, 4096), (4096,)),
                          ((6144, 2048), (4096,)), ((2048, 512), (4096,))):
-        for m, a_dec in [(m, False) for m in ms] + ([(64, True)] if (n_, k_) == (1024, 1024) else []):
-            cfg = dict(_gpu_config(m, n_, k_), A_DECODED=a_dec)  # a_dec: the activation decoded (DECODE_X_MIN_M)
+        # a_dec: the activation decoded, the weight packed (DECODE_X_MIN_M at M = 64; WIDE_PACKED_MAX_M at 4096)
+        extra = [(64, True), (4096, True)] if (n_, k_) == (1024, 1024) else [(4096, True)] if (n_, k_) == (6144, 2048) else []
+        for m, a_dec in [(m, False) for m in ms] + extra:
+            cfg = dict(_gpu_config(m, n_, k_), A_DECODED=a_dec)
+            if a_dec:
+                cfg["DECODED"] = False
             for nseg in ((1, 3) if (n_, k_) == (1024, 1024) and not a_dec else (1,)):  # 3: q/k/v in one launch
                 const = dict(FP4=True, DOT_FP32=False, DOT_BY_SUM=False, EVEN_K=True, HAS_BIAS=False,
                              SWAP_AB=cfg["SWAP_AB"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],

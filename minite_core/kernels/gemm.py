@@ -598,6 +598,12 @@ DECODE_WIDE = True
 # tile's decode work); the weights stay packed. The same values in the same dots, so the same bits. None:
 # off, until bench/gemm.py's `x decoded` columns show a gain on the GPU.
 DECODE_X_MIN_M: int | None = None
+# M > SWAP_MAX_M on a weight that carries no decoded form (the rollout's: its weights stay 0.56 bytes each, no fp16
+# copy), up to this M: the wide tile decodes the packed weight itself and reads the activation decoded (A_DECODED,
+# as the op that quantized it wrote it), instead of a `decode_nvfp4` launch per weight per call (196 launches a
+# 0.6B prefill, on a host-bound prefill). The same values in the same dots, so the same bits. None: off (every
+# weight decoded per call); the learner's weights carry their decoded form and never take this path.
+WIDE_PACKED_MAX_M: int | None = None
 DECODED_TILE = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)
 CONFIG_OVERRIDE: dict | None = None  # bench/gemm.py only: try other fixed configs
 # The wide tiles' fp16 operands written by the kernels that quantized them (`NVFP4Tensor.decoded`); bench only:
@@ -758,6 +764,8 @@ def gemm_many_triton(x, ws: list, biases: list, out_dtype: torch.dtype) -> list[
     if m == 0:
         return outs
     cfgs = [gemm_config(m, w.shape[0], k, fp4) for w in ws]
+    if fp4 and WIDE_PACKED_MAX_M is not None and m <= WIDE_PACKED_MAX_M:
+        cfgs = [_weight_packed(c, w) for c, w in zip(cfgs, ws)]
     launches = launch_groups(cfgs, ws, biases)
     xd = None
     if fp4 and (cfgs[0].get("DECODED") or cfgs[0].get("A_DECODED")):  # the decoded activation, shared by every launch
@@ -768,6 +776,14 @@ def gemm_many_triton(x, ws: list, biases: list, out_dtype: torch.dtype) -> list[
         if segs:
             _launch(x, xd, segs, cfgs[idx[0]], fp4)
     return outs
+
+
+def _weight_packed(cfg: dict, w: NVFP4Tensor) -> dict:
+    """A wide decoded-operand config for a weight without its decoded form -> the tile that decodes the weight
+    itself from its packed bytes (A_DECODED: the activation still decoded); any other config as it is."""
+    if cfg.get("DECODED") and not (w.decoded is not None and cfg["BLOCK_K"] == fp4_block_k()):
+        return dict(cfg, DECODED=False, A_DECODED=True)
+    return cfg
 
 
 def launch_groups(cfgs: list, ws: list, biases: list) -> list[range]:

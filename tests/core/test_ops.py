@@ -362,6 +362,43 @@ def test_small_m_tiles_on_a_decoded_activation_equal_the_packed_kernel(monkeypat
         assert torch.equal(out, ref)
 
 
+@pytest.mark.gpu if HAS_CUDA else pytest.mark.interpreter
+@pytest.mark.skipif(not HAS_TRITON, reason="triton missing")
+@pytest.mark.parametrize("n,k,chunks", INVARIANCE_SHAPES, ids=lambda v: str(v))
+def test_wide_tiles_on_a_packed_weight_equal_the_decoded_operands(monkeypatch, n, k, chunks):
+    """WIDE_PACKED_MAX_M: the wide tiles (M > 128) on a weight without its decoded form (the rollout's) decode
+    the weight in the tile, with the activation decoded by its quantize, and launch no `_decode_kernel`: the
+    bits of the tile on both operands decoded, with the weight decoded per call or carried (the learner's)."""
+    from bench.launches import Launches
+    from minite_core.kernels import gemm
+    from minite_core.kernels.quantize import quantize_many_triton, quantize_triton
+
+    master = _rand(n, k, seed=46) * 0.05
+    gs = nvfp4.global_scale_from_amax(master.abs().amax().reshape(1))
+    packed, = quantize_many_triton([master], gs)
+    carried, = quantize_many_triton([master], gs, decoded=True)
+    w2 = _weights(n, k, seed=47)["nvfp4-tensor"]  # a second weight of the launch (q/k/v, gate/up)
+    m = 150 if DEVICE == "cpu" else 300
+    x = _rand(m, k, seed=48) * torch.logspace(-3, 2, m, device=DEVICE).unsqueeze(1)
+    xq = quantize_triton(x, None, decoded=True)
+    monkeypatch.setattr(gemm, "WIDE_PACKED_MAX_M", None)
+    assert gemm.gemm_config(m, n, k, True)["DECODED"]
+    refs = {dt: gemm.gemm_many_triton(xq, [packed, w2], [None, None], dt) for dt in (torch.float32, torch.bfloat16)}
+    monkeypatch.setattr(gemm, "WIDE_PACKED_MAX_M", m)
+    for dt, ref in refs.items():
+        got = gemm.gemm_many_triton(xq, [packed, w2], [None, None], dt)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref)), dt
+        assert torch.equal(gemm.gemm_triton(xq, carried, None, dt), ref[0])  # the learner's weight: decoded operands
+    if DEVICE == "cpu":  # the launches, counted under the interpreter: one GEMM, no decode; above the bound, a decode
+        with Launches() as launches:
+            gemm.gemm_many_triton(xq, [packed, w2], [None, None], torch.float32)
+        assert "triton _decode_kernel" not in launches.counts and launches.counts["triton _gemm_kernel"] == 1
+        monkeypatch.setattr(gemm, "WIDE_PACKED_MAX_M", m - 1)
+        with Launches() as launches:
+            gemm.gemm_triton(xq, packed, None, torch.float32)
+        assert launches.counts["triton _decode_kernel"] == 1
+
+
 def _nvfp4_abs(t):
     """The same NVFP4 tensor with every sign bit cleared."""
     return nvfp4.NVFP4Tensor(t.data & 0x77, t.scale, t.global_scale, t.shape)

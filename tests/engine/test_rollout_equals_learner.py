@@ -56,6 +56,27 @@ def test_triton_backend_rollout_equals_learner(ckpt):
         assert torch.equal(o.logprobs, learner.logprobs(o.prompt_ids, o.token_ids).cpu()), o.request_index
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.interpreter
+@pytest.mark.gpu
+def test_prefill_on_wide_tiles_with_packed_weights_equals_the_learner(tmp_path, monkeypatch):
+    """A prefill of more rows than the narrow tiles take (the wide tiles) on the rollout's packed weights, which
+    carry no decoded form, decoded in the tile (WIDE_PACKED_MAX_M): the logprobs equal the learner's scores of
+    each sequence (fewer rows: the narrow tiles). (Decoded per call, the default, is the contract test above.)"""
+    from minite_core.kernels import gemm
+
+    # (the dense model: the MoE's experts run the grouped GEMM, which this path does not change)
+    model = load_model(save_hf_checkpoint(tmp_path), precision="nvfp4", backend="triton", device=DEVICE)
+    length = gemm.SWAP_MAX_M // 2 + 3  # two prompts prefilled together: more rows than SWAP_MAX_M
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 96, (length,), generator=g).tolist() for _ in range(2)]
+    monkeypatch.setattr(gemm, "WIDE_PACKED_MAX_M", 2 * length)
+    engine = RolloutEngine(model, max_slots=2, max_seq_len=length + 4)
+    learner = Learner(model)
+    for o in engine.generate(prompts, SamplingParams(max_tokens=2, temperature=1.0, seed=5)):
+        assert torch.equal(o.logprobs, learner.logprobs(o.prompt_ids, o.token_ids).cpu()), o.request_index
+
+
 def test_seeded_request_is_reproducible_alone_or_in_a_batch(ckpt):
     model = load_model(ckpt, precision="nvfp4")
     engine = RolloutEngine(model, max_slots=4, max_seq_len=80)
