@@ -603,7 +603,20 @@ DECODE_X_MIN_M: int | None = None
 # as the op that quantized it wrote it), instead of a `decode_nvfp4` launch per weight per call (196 launches a
 # 0.6B prefill, on a host-bound prefill). The same values in the same dots, so the same bits. None: off (every
 # weight decoded per call); the learner's weights carry their decoded form and never take this path.
-WIDE_PACKED_MAX_M: int | None = None
+# MINITE_WIDE_PACKED_MAX_M (read at import; the bits do not depend on it) sets another bound, 0 off.
+DEFAULT_WIDE_PACKED_MAX_M: int | None = None
+
+
+def _wide_packed_from_env() -> int | None:
+    value = os.environ.get("MINITE_WIDE_PACKED_MAX_M")
+    if value is None:
+        return DEFAULT_WIDE_PACKED_MAX_M
+    if not value.isdigit():
+        raise ValueError(f"MINITE_WIDE_PACKED_MAX_M={value!r}: set it to a row count (0: off)")
+    return int(value) or None
+
+
+WIDE_PACKED_MAX_M = _wide_packed_from_env()
 DECODED_TILE = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)
 CONFIG_OVERRIDE: dict | None = None  # bench/gemm.py only: try other fixed configs
 # The wide tiles' fp16 operands written by the kernels that quantized them (`NVFP4Tensor.decoded`); bench only:

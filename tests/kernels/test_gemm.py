@@ -141,6 +141,19 @@ def test_max_k_chunks_caps_every_shape_and_rejects_bad_values(monkeypatch):
         assert run.returncode != 0 and "MINITE_MAX_K_CHUNKS" in run.stderr and "power of two" in run.stderr
 
 
+def test_wide_packed_bound_from_the_environment(monkeypatch):
+    """MINITE_WIDE_PACKED_MAX_M: a row count, 0 for off; anything else is refused with the variable's name."""
+    monkeypatch.delenv("MINITE_WIDE_PACKED_MAX_M", raising=False)
+    assert gemm._wide_packed_from_env() == gemm.DEFAULT_WIDE_PACKED_MAX_M
+    for value, bound in (("4096", 4096), ("0", None)):
+        monkeypatch.setenv("MINITE_WIDE_PACKED_MAX_M", value)
+        assert gemm._wide_packed_from_env() == bound
+    for bad in ("-1", "4k", ""):
+        monkeypatch.setenv("MINITE_WIDE_PACKED_MAX_M", bad)
+        with pytest.raises(ValueError, match="MINITE_WIDE_PACKED_MAX_M"):
+            gemm._wide_packed_from_env()
+
+
 def test_the_launchers_integer_helpers_equal_tritons():
     """`gemm.cdiv` / `gemm.next_pow2` (plain integers: Triton's are ~2 µs constexpr_function calls) give
     `triton.cdiv` / `triton.next_power_of_2`'s values, powers of two and their neighbours included."""
