@@ -93,3 +93,23 @@ def kernel_intervals(prof, device: str = "cuda") -> list[tuple[str, float, float
     kind = DeviceType.CUDA if device == "cuda" else DeviceType.CPU
     return [(e.name, e.time_range.start * 1e-6, e.time_range.end * 1e-6) for e in prof.events()
             if e.device_type == kind and e.time_range.end > e.time_range.start]
+
+
+def cprofiled(fn, calls: int, sync, top: int = 14) -> str:
+    """The top functions by own time of `calls` calls of `fn` under cProfile (where a host-bound call's time
+    goes: our Python, Triton's launch path, torch's dispatch)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    sync()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    lines = out.getvalue().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls"))
+    return "\n".join(lines[start:start + top + 1])

@@ -4,8 +4,8 @@
 #   (default: all but gemm-bits and the caps; learner-cap / rollout-cap: MINITE_MAX_K_CHUNKS=$CAP, default 1;
 #   the engines' own cap is gemm.DEFAULT_MAX_CHUNKS = 4, CAP=64 gives the uncapped S of before 2026-12-06)
 # gemm-bits: bench/gemm.py again with the element-wise FP4 decode (MINITE_FP4_DECODE=bits), for the word decode's gain.
-# launch: bench/launch_cost.py, the host's time per call of each op at tiny sizes (is a launch of ours tens of µs or hundreds?).
-# ROLLOUT_ARGS / LEARNER_ARGS / GEMM_ARGS override the benchmarks' arguments, ROLLOUT_TIMEOUT / LEARNER_TIMEOUT
+# launch: bench/launch_cost.py, the host's time per call of each op at tiny sizes, and (--stages) the steps of Triton's launch path.
+# ROLLOUT_ARGS / LEARNER_ARGS / GEMM_ARGS / LAUNCH_ARGS override the benchmarks' arguments, ROLLOUT_TIMEOUT / LEARNER_TIMEOUT
 # their time limits (s). A summary table comes last.
 # All of it does not fit one 600 s device call (the tests need minutes cold: Triton compiles, TESTS_WORKERS at a time):
 # run `tests gemm` in one call and `rollout learner attention` in the next, on the same warm machine.
@@ -54,7 +54,7 @@ for p in $parts; do
              ${ROLLOUT_CAP_ARGS:---configs 0.6b --batches 16,64 --repeats 1 --peers minite-nvfp4,minite-bf16} 2>&1 \
              | tee "$OUT/rollout_cap.txt" | tail -15 ;;
     attention) timeout 120 python3 bench/attention.py 2>&1 | tee "$OUT/attention.txt" | tail -20 ;;
-    launch) timeout 150 python3 bench/launch_cost.py 2>&1 | tee "$OUT/launch.txt" | tail -16 ;;
+    launch) timeout 150 python3 bench/launch_cost.py ${LAUNCH_ARGS:---stages} 2>&1 | tee "$OUT/launch.txt" | tail -20 ;;
     gemm) timeout 240 python3 bench/gemm.py ${GEMM_ARGS:---quick --chunks 1,2,4} --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.txt" | tail -40 ;;
     gemm-bits) MINITE_FP4_DECODE=bits timeout 240 python3 bench/gemm.py ${GEMM_ARGS:---quick} --json "$OUT/gemm_bits.json" 2>&1 \
              | tee "$OUT/gemm_bits.txt" | tail -40 ;;
@@ -81,5 +81,6 @@ echo "== summary"
 [ -f "$OUT/gemm.txt" ] && grep -E '^backward (parts: FAILED|[0-9a-z.]+ +[0-9]+ \|)' "$OUT/gemm.txt" | sed 's/^/backward parts (deq-w, deq-x, dgrad, wgrad fp32 out, bf16 out; ms): /'
 [ -f "$OUT/gemm_bits.txt" ] && grep -E '^decode ' "$OUT/gemm_bits.txt" | sed 's/^/layer, element decode: /'
 [ -f "$OUT/launch.txt" ] && grep -E '^launch ' "$OUT/launch.txt" | sed 's/^launch /host per call: /'
+[ -f "$OUT/launch.txt" ] && grep -E '^stages ' "$OUT/launch.txt" | sed 's/^stages /Triton launch path, us: /'
 [ -f "$OUT/gemm_bits.txt" ] && grep -E '^ *[0-9]+ +[0-9]+ +(16|4096) ' "$OUT/gemm_bits.txt" | awk -F'|' '{print "gemm, element decode: N K M S =" $1 "w4a4 vs bf16 =" $(NF-1)}'
 true

@@ -1,7 +1,7 @@
 """Host time per call of the learner's and the rollout's ops at tiny sizes (GPU): what one call costs the host
 when the GPU keeps up, so whether a host-bound step is paying per launch, and for which op.
 
-    python bench/launch_cost.py [--calls 200] [--cprofile gemm_kernel,quantize]
+    python bench/launch_cost.py [--calls 200] [--cprofile gemm_kernel,quantize] [--stages]
 
 Each op runs on inputs so small that the GPU finishes a call faster than the host issues the next; the time
 of `calls` calls back to back, without a sync between them, divided by `calls`, is then the host's cost of
@@ -15,6 +15,11 @@ microseconds there or hundreds.
 
 `--cprofile` names substrings of rows: each such row runs again under cProfile and its top functions by own
 time are printed (where a launch's host time goes: our wrapper, Triton's binder and cache key, its C launcher).
+
+`--stages` (GPU only) splits the Triton launches of the GEMM, the quantize and the dequantize into the steps of
+Triton's `JITFunction.run`: the binder (arguments -> specialization key), the cache key, the globals check,
+the launch metadata and the C launcher (`CompiledKernel.run`), each timed alone on the arguments of a
+captured call: what a launcher that skipped Triton's Python could save. (Triton internals: 3.6 and 3.9.)
 
 `--device cpu` runs the same calls on the CPU under the Triton interpreter (the tests: the script's paths,
 not a measurement).
@@ -91,12 +96,17 @@ def main():
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--cprofile", default="", help="comma-separated substrings of the rows to profile with cProfile")
+    ap.add_argument("--stages", action="store_true", help="time the steps of Triton's launch path (GPU only)")
     args = ap.parse_args()
     if args.calls < 1:
         ap.error(f"--calls must be at least 1, got {args.calls}")
     if args.device == "cpu":
+        if args.stages:
+            ap.error("--stages times Triton's compiled launch path: it needs --device cuda")
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is defined
     import torch
+
+    from bench.common import cprofiled
 
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/launch_cost.py needs a CUDA GPU (or --device cpu for a dry run)")
@@ -112,25 +122,63 @@ def main():
         if any(w in name for w in wanted):
             print(f"\ncprofile {name}: {args.calls} calls, functions by own time")
             print(cprofiled(fn, args.calls, sync))
+    if args.stages:
+        launch_stages(args.calls, sync)
 
 
-def cprofiled(fn, calls: int, sync, top: int = 14) -> str:
-    """The top functions by own time of `calls` calls of `fn` under cProfile."""
-    import cProfile
-    import io
-    import pstats
+def launch_stages(calls: int, sync) -> None:
+    """Print the host time of each step of Triton's `JITFunction.run` for three of our kernels' launches."""
+    import torch
+    import triton.runtime.jit as jit
+    from triton import knobs
+    from triton.runtime.driver import driver
 
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    sync()
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
-    lines = out.getvalue().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls"))
-    return "\n".join(lines[start:start + top + 1])
+    from minite_core import ops
+    from minite_core.kernels import gemm, quantize
+
+    captured, run = {}, jit.JITFunction.run
+
+    def spy(self, *args, grid, warmup, **kwargs):  # the last call's arguments of each kernel
+        kernel = run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        captured[self.fn.__name__] = (self, kernel, grid, args, dict(kwargs))
+        return kernel
+
+    bf16 = torch.bfloat16
+    x = torch.randn(256, 128, device="cuda").to(bf16)
+    w = (torch.randn(128, 128, device="cuda") * 0.05).to(bf16)
+    xq = ops.quantize(x, backend="triton", check_finite=False)
+    launchers = {"_gemm_kernel": lambda: gemm.gemm_triton(x, w, None, bf16),
+                 "_quantize_kernel": lambda: quantize.quantize_triton(x, None),
+                 "_dequantize_kernel": lambda: quantize.dequantize_triton(xq, bf16)}
+    jit.JITFunction.run = spy
+    try:
+        for launcher in launchers.values():
+            launcher()
+    finally:
+        jit.JITFunction.run = run
+    print(f"\nTriton's launch path, µs a call ({calls} calls back to back)")
+    for name, launcher in launchers.items():
+        fn, kernel, grid, args, kwargs = captured[name]
+        options = dict(kwargs, debug=kwargs.get("debug", fn.debug) or knobs.runtime.debug,
+                       instrumentation_mode=knobs.compilation.instrumentation_mode)
+        device = driver.active.get_current_device()
+        stream = driver.active.get_current_stream(device)
+        _, key_cache, _, _, binder = fn.device_caches[device]
+        bound, spec, opts = binder(*args, **options)
+        values = list(bound.values())
+        g = tuple(grid(bound) if callable(grid) else grid) + (1, 1)
+        steps = {
+            "our launcher + Triton": launcher,
+            "Triton's run": lambda: fn[grid](*args, **kwargs),
+            "binder": lambda: binder(*args, **options),
+            "cache key": lambda: jit.compute_cache_key(key_cache, spec, opts),
+            "globals check": lambda: [d.get(n) != v for (n, _), (v, d) in fn.used_global_vals.items()],
+            "launch metadata": lambda: kernel.launch_metadata(g[:3], stream, *values),
+            "C launcher": lambda: kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata,
+                                             None, None, None, *values),
+        }
+        cells = "; ".join(f"{step} {host_us(f, calls, sync):.1f}" for step, f in steps.items())
+        print(f"stages {name} ({len(args)} arguments + {len(kwargs)} keywords): {cells}")
 
 
 if __name__ == "__main__":

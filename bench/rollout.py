@@ -18,6 +18,10 @@ Peers, all on the same random-weight checkpoint:
   what the aligned kernels cost (eager: the knobs are not graph-captured);
 - hf-dynamic:   transformers generate, bf16, sdpa, dynamic KV cache;
 - hf-static:    transformers generate with cache_implementation="static" (generate compiles the forward).
+
+`--profile`: torch.profiler of one NVFP4 and one BF16 generate (GPU kernels by family, CPU ops); `--cprofile`:
+the prefill's host side by Python function. MINITE_WIDE_PACKED_MAX_M (kernels/gemm.py) times the prefill's
+wide tiles on packed weights against the decode of each weight per call (the bits do not change).
 """
 from __future__ import annotations
 
@@ -32,9 +36,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import cuda_time, kernel_breakdown, kernel_intervals, make_config  # noqa: E402
+from bench.common import cprofiled, cuda_time, kernel_breakdown, kernel_intervals, make_config  # noqa: E402
 from minite_core.engine import RolloutEngine, SamplingParams  # noqa: E402
-from minite_core.kernels import pdl  # noqa: E402
+from minite_core.kernels import gemm, pdl  # noqa: E402
 from minite_core.model import load_model  # noqa: E402
 from minite_core.model.random_init import random_checkpoint  # noqa: E402
 
@@ -108,6 +112,22 @@ def profile(args) -> None:
             print(ev.table(sort_by="self_cpu_time_total", row_limit=16, max_name_column_width=50))
 
 
+def host_profile(args) -> None:
+    """The prefill's host side (a generate() of one token, first config and batch): its wall time and the
+    Python functions it spends it in (cProfile), NVFP4 then BF16. The prefill runs eagerly (no CUDA graph),
+    so where it is host-bound this is its time; MINITE_WIDE_PACKED_MAX_M sets the wide tiles' packed path."""
+    name, batch = args.configs.split(",")[0], int(args.batches.split(",")[0])
+    cfg = make_config(name, args.prompt + args.new + 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = random_checkpoint(Path(tmp) / "model", cfg)
+        for precision in ("nvfp4", "bf16"):
+            run, _ = minite_runner(path, precision, {}, batch, args.prompt, args.new)
+            sec = measure(lambda seed: run(seed, 1), max(args.repeats, 3))[0]
+            print(f"--- minite-{precision} {name} b{batch} prefill + first token: {sec * 1e3:.1f} ms "
+                  f"(gemm.WIDE_PACKED_MAX_M = {gemm.WIDE_PACKED_MAX_M}); functions by own time, 3 calls")
+            print(cprofiled(lambda: run(1, 1), 3, torch.cuda.synchronize, top=20))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="0.6b,1.7b,moe")
@@ -119,12 +139,15 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=1e9, help="seconds: skip the remaining runs after this")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--profile", action="store_true", help="profile one minite-nvfp4 run of the first config and batch")
+    ap.add_argument("--cprofile", action="store_true", help="the prefill's host side by Python function (cProfile)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/rollout.py needs a CUDA device")
     start, default_pdl = time.perf_counter(), pdl.ENABLED
     if args.profile:
         return profile(args)
+    if args.cprofile:
+        return host_profile(args)
     rows = []
     for name in args.configs.split(","):
         cfg = make_config(name, args.prompt + args.new + 1)
