@@ -783,7 +783,7 @@ def gemm_many_triton(x, ws: list, biases: list, out_dtype: torch.dtype) -> list[
     xd = None
     if fp4 and (cfgs[0].get("DECODED") or cfgs[0].get("A_DECODED")):  # the decoded activation, shared by every launch
         bk = cfgs[0]["BLOCK_K"]  # (the producer's, when it wrote one: `NVFP4Tensor.decoded`)
-        xd = x.decoded if x.decoded is not None and bk == fp4_block_k() else decode_nvfp4(x, bk)
+        xd = _decoded(x, bk)
     for idx in launches:
         segs = [(ws[i], biases[i], outs[i]) for i in idx if ws[i].shape[0]]
         if segs:
@@ -794,9 +794,19 @@ def gemm_many_triton(x, ws: list, biases: list, out_dtype: torch.dtype) -> list[
 def _weight_packed(cfg: dict, w: NVFP4Tensor) -> dict:
     """A wide decoded-operand config for a weight without its decoded form -> the tile that decodes the weight
     itself from its packed bytes (A_DECODED: the activation still decoded); any other config as it is."""
-    if cfg.get("DECODED") and not (w.decoded is not None and cfg["BLOCK_K"] == fp4_block_k()):
+    if cfg.get("DECODED") and not _carries_decoded(w, cfg["BLOCK_K"]):
         return dict(cfg, DECODED=False, A_DECODED=True)
     return cfg
+
+
+def _carries_decoded(t: NVFP4Tensor, block_k: int) -> bool:
+    """Whether t carries its decoded form (`NVFP4Tensor.decoded`) in the layout of a tile of this BLOCK_K."""
+    return t.decoded is not None and block_k == fp4_block_k()
+
+
+def _decoded(t: NVFP4Tensor, block_k: int) -> torch.Tensor:
+    """t's decoded form for a tile of this BLOCK_K: the one it carries, else decoded now (one launch)."""
+    return t.decoded if _carries_decoded(t, block_k) else decode_nvfp4(t, block_k)
 
 
 def launch_groups(cfgs: list, ws: list, biases: list) -> list[range]:
@@ -840,7 +850,7 @@ def _launch(x, xd, segs: list, cfg: dict, fp4: bool):
         if fp4:
             bgs, s_bgs = _flat_gs(w)
             if decoded:  # the weight's own decoded form when its version carries one (the learner's weights)
-                wd = w.decoded if w.decoded is not None and bk == fp4_block_k() else decode_nvfp4(w, bk)
+                wd = _decoded(w, bk)
                 seg_args.append((wd, wd, bgs, s_bgs, bias_arg, c, w.shape[0]))
             else:
                 seg_args.append((w.data, w.scale.view(torch.uint8), bgs, s_bgs, bias_arg, c, w.shape[0]))
