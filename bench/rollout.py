@@ -89,43 +89,44 @@ def measure(run, repeats: int) -> tuple[float, int]:
     return statistics.median(times), tokens
 
 
-def profile(args) -> None:
-    """Where a generate() of the first config / batch spends CPU and GPU time (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile as prof
+def first_runners(args):
+    """(label, run) of minite-nvfp4 then minite-bf16 on the first config and batch of `args` (the profiles')."""
     name, batch = args.configs.split(",")[0], int(args.batches.split(",")[0])
     cfg = make_config(name, args.prompt + args.new + 1)
     with tempfile.TemporaryDirectory() as tmp:
         path = random_checkpoint(Path(tmp) / "model", cfg)
         for precision in ("nvfp4", "bf16"):
             run, _ = minite_runner(path, precision, {}, batch, args.prompt, args.new)
-            run(0)
-            wall = cuda_time(lambda: run(1))
-            with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-                run(2)
-                torch.cuda.synchronize()
-            ev, b = p.key_averages(), kernel_breakdown(kernel_intervals(p))
-            print(f"--- minite-{precision} {name} b{batch}: wall {wall:.3f} s unprofiled; GPU busy {b['busy']:.3f} s "
-                  f"profiled ({b['busy'] / wall:.0%}), {b['kernels']} kernels")
-            for fam, (sec, n) in sorted(b["families"].items(), key=lambda kv: -kv[1][0]):
-                print(f"    {fam:30s} {sec * 1e3:8.1f} ms {n:6d} kernels")
-            print(ev.table(sort_by="self_device_time_total", row_limit=16, max_name_column_width=50))
-            print(ev.table(sort_by="self_cpu_time_total", row_limit=16, max_name_column_width=50))
+            yield f"minite-{precision} {name} b{batch}", run
+
+
+def profile(args) -> None:
+    """Where a generate() of the first config / batch spends CPU and GPU time (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile as prof
+    for label, run in first_runners(args):
+        run(0)
+        wall = cuda_time(lambda: run(1))
+        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            run(2)
+            torch.cuda.synchronize()
+        ev, b = p.key_averages(), kernel_breakdown(kernel_intervals(p))
+        print(f"--- {label}: wall {wall:.3f} s unprofiled; GPU busy {b['busy']:.3f} s "
+              f"profiled ({b['busy'] / wall:.0%}), {b['kernels']} kernels")
+        for fam, (sec, n) in sorted(b["families"].items(), key=lambda kv: -kv[1][0]):
+            print(f"    {fam:30s} {sec * 1e3:8.1f} ms {n:6d} kernels")
+        print(ev.table(sort_by="self_device_time_total", row_limit=16, max_name_column_width=50))
+        print(ev.table(sort_by="self_cpu_time_total", row_limit=16, max_name_column_width=50))
 
 
 def host_profile(args) -> None:
     """The prefill's host side (a generate() of one token, first config and batch): its wall time and the
     Python functions it spends it in (cProfile), NVFP4 then BF16. The prefill runs eagerly (no CUDA graph),
     so where it is host-bound this is its time; MINITE_WIDE_PACKED_MAX_M sets the wide tiles' packed path."""
-    name, batch = args.configs.split(",")[0], int(args.batches.split(",")[0])
-    cfg = make_config(name, args.prompt + args.new + 1)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = random_checkpoint(Path(tmp) / "model", cfg)
-        for precision in ("nvfp4", "bf16"):
-            run, _ = minite_runner(path, precision, {}, batch, args.prompt, args.new)
-            sec = measure(lambda seed: run(seed, 1), max(args.repeats, 3))[0]
-            print(f"--- minite-{precision} {name} b{batch} prefill + first token: {sec * 1e3:.1f} ms "
-                  f"(gemm.WIDE_PACKED_MAX_M = {gemm.WIDE_PACKED_MAX_M}); functions by own time, 3 calls")
-            print(cprofiled(lambda: run(1, 1), 3, torch.cuda.synchronize, top=20))
+    for label, run in first_runners(args):
+        sec = measure(lambda seed: run(seed, 1), max(args.repeats, 3))[0]
+        print(f"--- {label} prefill + first token: {sec * 1e3:.1f} ms (gemm.WIDE_PACKED_MAX_M = "
+              f"{gemm.WIDE_PACKED_MAX_M}); functions by own time, 3 calls")
+        print(cprofiled(lambda: run(1, 1), 3, torch.cuda.synchronize, top=20))
 
 
 def main() -> None:
