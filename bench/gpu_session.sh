@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device session: the GPU tests of the kernels and engines, then the benchmarks, logs under $OUT.
-#   bash bench/gpu_session.sh [tests] [rollout] [learner] [attention] [gemm] [gemm-bits] [learner-cap] [rollout-cap] [launch]
+#   bash bench/gpu_session.sh [tests] [rollout] [learner] [attention] [gemm] [gemm-bits] [learner-cap] [rollout-cap] [launch] [packed]
 #   (default: all but gemm-bits and the caps; learner-cap / rollout-cap: MINITE_MAX_K_CHUNKS=$CAP, default 1;
 #   the engines' own cap is gemm.DEFAULT_MAX_CHUNKS = 4, CAP=64 gives the uncapped S of before 2026-12-06)
 # gemm-bits: bench/gemm.py again with the element-wise FP4 decode (MINITE_FP4_DECODE=bits), for the word decode's gain.
+# packed: bench/rollout.py with MINITE_WIDE_PACKED_MAX_M=0 and =$WP (default 65536; PACKED_ARGS: its arguments).
 # launch: bench/launch_cost.py, the host's time per call of each op at tiny sizes, and (--stages) the steps of Triton's launch path.
 # ROLLOUT_ARGS / LEARNER_ARGS / GEMM_ARGS / LAUNCH_ARGS override the benchmarks' arguments, ROLLOUT_TIMEOUT / LEARNER_TIMEOUT
 # their time limits (s). A summary table comes last.
@@ -53,6 +54,13 @@ for p in $parts; do
     rollout-cap) MINITE_MAX_K_CHUNKS=${CAP:-1} timeout ${ROLLOUT_TIMEOUT:-420} python3 bench/rollout.py \
              ${ROLLOUT_CAP_ARGS:---configs 0.6b --batches 16,64 --repeats 1 --peers minite-nvfp4,minite-bf16} 2>&1 \
              | tee "$OUT/rollout_cap.txt" | tail -15 ;;
+    # the prefill's wide tiles on the rollout's packed weights (MINITE_WIDE_PACKED_MAX_M, kernels/gemm.py) against a
+    # decode of each weight per call: the same rollout run with the bound 0 (off) and $WP (same bits either way)
+    packed) for wp in 0 ${WP:-65536}; do
+              MINITE_WIDE_PACKED_MAX_M=$wp timeout ${ROLLOUT_TIMEOUT:-420} python3 bench/rollout.py \
+                ${PACKED_ARGS:---configs 0.6b,1.7b --batches 16,64 --repeats 3 --peers minite-nvfp4,minite-bf16} 2>&1 \
+                | tee "$OUT/rollout_packed_$wp.txt" | grep -E "^(0.6b|1.7b|moe) " | sed "s/^/MINITE_WIDE_PACKED_MAX_M=$wp: /"
+            done ;;
     attention) timeout 120 python3 bench/attention.py 2>&1 | tee "$OUT/attention.txt" | tail -20 ;;
     launch) timeout 150 python3 bench/launch_cost.py ${LAUNCH_ARGS:---stages} 2>&1 | tee "$OUT/launch.txt" | tail -20 ;;
     gemm) timeout 240 python3 bench/gemm.py ${GEMM_ARGS:---quick --chunks 1,2,4} --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.txt" | tail -40 ;;
@@ -70,6 +78,8 @@ echo "== summary"
 [ -f "$OUT/learner.txt" ] && grep -E '^NVFP4 / (BF16|HF)' "$OUT/learner.txt" | sed 's/^/learner:  /'
 [ -f "$OUT/learner.txt" ] && grep -E '^--- .*GPU busy' "$OUT/learner.txt" | sed 's/^--- /profile:  /'
 [ -f "$OUT/rollout.txt" ] && grep -E 'minite-nvfp4 / ' "$OUT/rollout.txt" | sed 's/^/rollout:  /'
+for f in "$OUT"/rollout_packed_*.txt; do [ -f "$f" ] && grep -E 'minite-nvfp4 / |prefill' "$f" | grep -v '^ *$' \
+  | sed "s/^/rollout, MINITE_WIDE_PACKED_MAX_M=$(basename "$f" .txt | sed 's/rollout_packed_//'): /"; done
 [ -f "$OUT/learner_cap.txt" ] && grep -E '^NVFP4 / BF16' "$OUT/learner_cap.txt" | sed "s/^/learner, S <= ${CAP:-1}: /"
 [ -f "$OUT/rollout_cap.txt" ] && grep -E 'minite-nvfp4 / ' "$OUT/rollout_cap.txt" | sed "s/^/rollout, S <= ${CAP:-1}: /"
 [ -f "$OUT/gemm.txt" ] && grep -E '^ *[0-9]+ +[0-9]+ +(1|16|64|4096) ' "$OUT/gemm.txt" | awk -F'|' '{print "gemm:     N K M S =" $1 "w4a4 vs bf16 =" $(NF-1)}'
