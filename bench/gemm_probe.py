@@ -214,8 +214,13 @@ def sm90_cases() -> list[tuple]:
                       dict(ROWS=rows_, BLOCK=block, QUANT=True, RESIDUAL=True, DBK=128),  # (with the decoded form)
                       dict(BLOCK_M=rows_, BLOCK_N=block, BLOCK_K=16, num_warps=warps, num_stages=1), (), rows_))
     for n_ in (3072, 6144):  # with the decoded form, as the learner's wide tiles take it
-        cases.append((f"silu_mul_quantize_N{n_}", rows_mod._silu_mul_quantize_kernel, dict(NB=64, EVEN=True, DBK=128),
+        cases.append((f"silu_mul_quantize_N{n_}", rows_mod._silu_mul_quantize_kernel,
+                      dict(NB=64, EVEN=True, DBK=128, ONE_TILE=0),
                       dict(BLOCK_M=1, BLOCK_N=1024, BLOCK_K=16, num_warps=4, num_stages=1), (), 1))
+        tile = qmod.one_tile(16, n_)  # a decode step's rows: the whole row in one tile, no decoded form
+        cases.append((f"silu_mul_quantize_one_tile_N{n_}", rows_mod._silu_mul_quantize_kernel,
+                      dict(NB=64, EVEN=True, DBK=1, ONE_TILE=tile),
+                      dict(BLOCK_M=1, BLOCK_N=tile, BLOCK_K=16, num_warps=qmod.one_tile_warps(tile), num_stages=1), (), 1))
     for to_cache in (False, True):  # Qwen3-0.6B heads: 16 q, 8 k/v, head_dim 128
         cases.append((f"qk_norm_rope_{'cache' if to_cache else 'buffers'}", qkr_mod._qk_norm_rope_kernel,
                       dict(BLOCK_H=16, D=128, TO_CACHE=to_cache, NORM_OUT=False),
@@ -225,8 +230,14 @@ def sm90_cases() -> list[tuple]:
     cases.append(("e4m3_rows", fp8_mod._e4m3_rows_kernel, dict(HW_CVT=True, BLOCK_R=16, BLOCK_C=256),
                   dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=16, num_warps=4, num_stages=1), ("stride_c",), 16,
                   dict(a_ptr="*bf16", q_ptr="*u8", s_ptr="*fp32")))
-    cases.append(("quantize_row_gs", qmod._quantize_kernel, dict(ROW_GS=True, NB=64, EVEN_K=True, DBK=128),
+    cases.append(("quantize_row_gs", qmod._quantize_kernel, dict(ROW_GS=True, NB=64, EVEN_K=True, DBK=128, ONE_TILE=0),
                   dict(BLOCK_M=1, BLOCK_N=1024, BLOCK_K=16, num_warps=4, num_stages=1), ("stride_gs",), 1))
+    for k_ in (2048, 8192):  # a decode step's rows (the o_proj input at K = 2048): the whole row in one tile
+        tile = qmod.one_tile(16, k_)
+        cases.append((f"quantize_row_gs_one_tile_K{k_}", qmod._quantize_kernel,
+                      dict(ROW_GS=True, NB=64, EVEN_K=True, DBK=1, ONE_TILE=tile),
+                      dict(BLOCK_M=1, BLOCK_N=tile, BLOCK_K=16, num_warps=qmod.one_tile_warps(tile), num_stages=1),
+                      ("stride_gs",), 1))
     # the learner's re-quantize: every weight in one launch (fp32 masters), with the decoded form and the bf16 values
     cases.append(("quantize_many", qmod._quantize_many_kernel, dict(XDT=tl.float32, NB=64, DBK=128, DQ=True),
                   dict(BLOCK_M=1, BLOCK_N=1024, BLOCK_K=16, num_warps=4, num_stages=1), (), 1,

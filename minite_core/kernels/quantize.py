@@ -3,9 +3,12 @@ and its inverse, `dequantize_triton`.
 
 One program takes one row. In row mode it first reduces the row's amax (a row-local max, so the result
 cannot depend on the batch) and writes the row's global scale amax / 2688; then it walks K in chunks of NB
-blocks held as an [NB, 16] tile. (Reading the row once into one tile instead, as the RMSNorm kernel
-quantizes its output, `rows.quantize_rows`, measured no faster as a standalone quantize: 0.68 of copy
-bandwidth vs the walk's 0.69 on an H100, slower on the H200 of 2026-12-04; docs/benchmarks.md.)
+blocks held as an [NB, 16] tile. That walk is for many rows (a prefill, the learner), where the kernel is
+bound by its arithmetic: reading the row once into one tile instead measured no faster there (0.68 of copy
+bandwidth vs the walk's 0.69 on an H100, slower on the H200 of 2026-12-04; docs/benchmarks.md). A decode
+step's few rows (`one_tile`: at most ONE_TILE_MAX_ROWS) are bound by a program's latency instead, four
+dependent passes over L2 for a 2048-wide row: they take the whole row in one tile (`quantize_rows`, which the
+RMSNorm and SiLU*up kernels also use for their outputs), read once, with more warps a row.
 Per 16-element block, the block scale and the codes are computed exactly as `minite_core.nvfp4.quantize`
 does: every division is IEEE round-to-nearest (`tl.div_rn`; a plain `/` may lower to an approximate
 division on the GPU), the E4M3 rounding of the block scale is done on the fp32 bits (no reliance on the
@@ -117,6 +120,31 @@ def store_decoded(o_ptr, off, kb, K, even, odd, s_code, DBK: tl.constexpr):
 
 
 @triton.jit
+def quantize_rows(v, rows64, row_ok, N, Q, QS, QGS, ROWS: tl.constexpr, BLOCK: tl.constexpr, QD, DBK: tl.constexpr):
+    """NVFP4 of whole rows held in a tile, v [ROWS, BLOCK] fp32 (zeros past N, N a multiple of 16), with per-row
+    global scales: packed bytes to Q [R, N/2], scale bytes to QS [R, N/16], global scales to QGS [R]. Only
+    maxima and elementwise operations (`quantize_codes`): the bits of `quantize_triton` of the same rows.
+    DBK > 1: the rows' decoded form to QD too (`store_decoded`, rows of cdiv(N, DBK) * DBK)."""
+    gs = row_global_scale(tl.max(tl.abs(v), axis=1))
+    tl.store(QGS + rows64, gs, mask=row_ok)
+    gsb = tl.reshape(tl.broadcast_to(gs[:, None], [ROWS, BLOCK // 16]), [ROWS * (BLOCK // 16)])
+    even, odd, s_code = quantize_codes(tl.reshape(v, [ROWS * (BLOCK // 16), 16]), gsb, tl.div_rn(tl.zeros_like(gsb) + 1.0, gsb))
+    packed = even | (odd << 4)
+    if DBK > 1:
+        kb = tl.broadcast_to(tl.arange(0, BLOCK // 16)[None, :] * 16, [ROWS, BLOCK // 16])
+        kb = tl.where(row_ok[:, None], kb, N)  # (rows past R: not written)
+        off = tl.broadcast_to(rows64[:, None] * ((N + DBK - 1) // DBK * DBK), [ROWS, BLOCK // 16])
+        store_decoded(QD, tl.reshape(off, [ROWS * (BLOCK // 16)]), tl.reshape(kb, [ROWS * (BLOCK // 16)]), N,
+                      even, odd, s_code, DBK)
+    c8 = tl.arange(0, BLOCK // 2)
+    c16 = tl.arange(0, BLOCK // 16)
+    tl.store(Q + rows64[:, None] * (N // 2) + c8[None, :], tl.reshape(packed, [ROWS, BLOCK // 2]),
+             mask=row_ok[:, None] & (c8 < N // 2)[None, :])
+    tl.store(QS + rows64[:, None] * (N // 16) + c16[None, :], tl.reshape(s_code, [ROWS, BLOCK // 16]),
+             mask=row_ok[:, None] & (c16 < N // 16)[None, :])
+
+
+@triton.jit
 def scaled_values(even, odd, gs, BF16_BITS: tl.constexpr):
     """`nvfp4.dequantize`'s last step on decoded halves (even / odd [R, C], fp16 code * block scale, exact):
     each times the global scale gs ([R, 1] or [R, C]) in fp32, interleaved back into element order ([R, 2C]:
@@ -182,17 +210,10 @@ def quantize_row(x_row, d_row, s_row, o_row, q_row, K, gs, inv_gs, NB: tl.conste
 
 
 @triton.jit
-def _quantize_kernel(
-    x_ptr, data_ptr, scale_ptr, gs_ptr, dec_ptr,
-    K, stride_x, stride_data, stride_scale, stride_gs,
-    ROW_GS: tl.constexpr, NB: tl.constexpr, EVEN_K: tl.constexpr, DBK: tl.constexpr, PDL: tl.constexpr,
-):
-    """One program per row; the row is walked in chunks of NB blocks, held as an [NB, 16] tile. DBK > 1: the
-    row's decoded form to dec_ptr too (rows of cdiv(K, DBK) * DBK)."""
-    if PDL:  # first: before any global memory access (kernels/pdl.py)
-        pdl.prologue()
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
+def _quantize_walk(x_row, data_ptr, scale_ptr, gs_ptr, dec_ptr, row, K, stride_data, stride_scale, stride_gs,
+                   ROW_GS: tl.constexpr, NB: tl.constexpr, EVEN_K: tl.constexpr, DBK: tl.constexpr):
+    """`_quantize_kernel`'s chunk walk over one row: its amax first (ROW_GS; else its global scale is given),
+    then `quantize_row`."""
     if ROW_GS:
         blk = tl.arange(0, NB)
         offs16 = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
@@ -212,6 +233,30 @@ def _quantize_kernel(
     o_row = dec_ptr + row * ((K + DBK - 1) // DBK * DBK)
     quantize_row(x_row, data_ptr + row * stride_data, scale_ptr + row * stride_scale, o_row, o_row, K, gs, inv_gs, NB,
                  EVEN_K, DBK)  # (no bf16 output for activations: DQ off, its pointer unused)
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, data_ptr, scale_ptr, gs_ptr, dec_ptr,
+    K, stride_x, stride_data, stride_scale, stride_gs,
+    ROW_GS: tl.constexpr, NB: tl.constexpr, EVEN_K: tl.constexpr, DBK: tl.constexpr, ONE_TILE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One program per row; the row is walked in chunks of NB blocks, held as an [NB, 16] tile, or (ONE_TILE > 0,
+    with ROW_GS: `one_tile`) read once into one tile of ONE_TILE columns. DBK > 1: the row's decoded form to
+    dec_ptr too (rows of cdiv(K, DBK) * DBK)."""
+    if PDL:  # first: before any global memory access (kernels/pdl.py)
+        pdl.prologue()
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    if ONE_TILE > 0:  # (the launcher's buffers are fresh: rows of K / 2 bytes, K / 16 scale bytes, one gs)
+        cols = tl.arange(0, ONE_TILE)
+        x = tl.load(x_row + cols[None, :], mask=(cols < K)[None, :], other=0.0).to(tl.float32)
+        rows64 = row + tl.arange(0, 1)
+        quantize_rows(x, rows64, rows64 >= 0, K, data_ptr, scale_ptr, gs_ptr, 1, ONE_TILE, dec_ptr, DBK)
+    else:
+        _quantize_walk(x_row, data_ptr, scale_ptr, gs_ptr, dec_ptr, row, K, stride_data, stride_scale, stride_gs,
+                       ROW_GS, NB, EVEN_K, DBK)
 
 
 @triton.jit
@@ -273,6 +318,24 @@ def as_nvfp4(parts: tuple, shape: tuple, global_scale: torch.Tensor | None = Non
 # amax is a max); bench/gemm.py's quantize sweep times the others.
 QUANTIZE_WARPS = 4
 QUANTIZE_MAX_NB = 64
+# Few rows (a decode step's, where a kernel's time is its latency) take the whole row in one tile: read once,
+# its amax and its codes from the same registers, more warps a row; many rows (a prefill, the learner) keep the
+# chunk walk, which measured faster for bandwidth (the whole-row kernel at 8192 rows: 0.68 of copy against
+# 0.69, slower on the H200; docs/benchmarks.md). The same bits either way (maxima and elementwise operations:
+# tests/core/test_ops.py and tests/kernels/test_rows.py run both). Used by this quantize and SiLU*up's.
+ONE_TILE_MAX_ROWS = 256
+ONE_TILE_MAX_K = 8192
+
+
+def one_tile(r: int, k: int) -> int:
+    """The columns of the whole-row tile for r rows of k values (a power of two >= k), or 0: the chunk walk."""
+    block = next_pow2(k)
+    return block if r <= ONE_TILE_MAX_ROWS and block <= ONE_TILE_MAX_K else 0
+
+
+def one_tile_warps(block: int) -> int:
+    """Warps for a whole-row tile of `block` columns: ~16 values a thread (4 to 16 warps)."""
+    return max(4, min(16, block // 512))
 
 
 def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None, decoded: bool = False) -> NVFP4Tensor:
@@ -291,11 +354,12 @@ def quantize_triton(x: torch.Tensor, global_scale: torch.Tensor | None, decoded:
         gs = global_scale.reshape(-1).contiguous()
         stride_gs = 0 if gs.numel() == 1 else 1
     nb = min(QUANTIZE_MAX_NB, next_pow2(k // BLOCK))
+    tile = one_tile(r, k) if global_scale is None else 0
     if r:
         _quantize_kernel[(r,)](
             x2, data, scale, gs, data if dec is None else dec, k, x2.stride(0), data.stride(0), scale.stride(0), stride_gs,
-            ROW_GS=global_scale is None, NB=nb, EVEN_K=k % (nb * BLOCK) == 0, DBK=dbk, num_warps=QUANTIZE_WARPS,
-            **pdl.launch(x.device),
+            ROW_GS=global_scale is None, NB=nb, EVEN_K=k % (nb * BLOCK) == 0, DBK=dbk, ONE_TILE=tile,
+            num_warps=one_tile_warps(tile) if tile else QUANTIZE_WARPS, **pdl.launch(x.device),
         )
     return as_nvfp4((data, scale, gs), tuple(x.shape), global_scale, decoded=dec)
 

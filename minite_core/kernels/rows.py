@@ -36,8 +36,9 @@ Fused for the decode step (one launch instead of a chain; the same arithmetic, t
 RMSNorm with the residual add in front (`delta`: s = x + delta rounded to x's dtype, as torch adds, written
 out as the new residual stream) and/or the NVFP4 quantize of its output behind (`quantize_rows`, the
 quantize kernel's `quantize_codes`: maxima and elementwise operations only, so the bits of
-`quantize_triton(y)`); SiLU * up with the quantize of its output (a row per program, two walks over the
-row: amax, then values and codes; one tile of whole rows, as the norm, measured slower). The q/k norm +
+`quantize_triton(y)`); SiLU * up with the quantize of its output (a row per program; few rows, a decode
+step's: the whole row in one tile, as the norm; many rows: two walks over the row, amax, then values and
+codes, which measured faster there than one tile; `quantize.one_tile` chooses, the bits are the same). The q/k norm +
 RoPE fusion is `kernels/qk_norm_rope.py`, built from this module's helpers (`rms_rstd`, `rms_scale`,
 `rope_rotate`) and backward kernels.
 
@@ -57,7 +58,8 @@ import triton.language as tl
 from ..nvfp4 import BLOCK as QBLOCK
 from . import pdl
 from .gemm import cdiv, fp4_block_k, interpreting, next_pow2
-from .quantize import decode_buffer, nvfp4_buffers, quantize_codes, row_global_scale, store_decoded
+from .quantize import (decode_buffer, nvfp4_buffers, one_tile, one_tile_warps, quantize_codes, quantize_rows,
+                       row_global_scale, store_decoded)
 
 
 @triton.jit
@@ -115,31 +117,6 @@ def _rms_norm_fwd_kernel(X, W, Y, RSTD, Q, QS, QGS, QD, DELTA, XS, R, N, sx, sy,
     tl.store(RSTD + rows, rstd, mask=row_ok)
     if QUANT:
         quantize_rows(out.to(tl.float32), rows64, row_ok, N, Q, QS, QGS, ROWS, BLOCK, QD, DBK)
-
-
-@triton.jit
-def quantize_rows(v, rows64, row_ok, N, Q, QS, QGS, ROWS: tl.constexpr, BLOCK: tl.constexpr, QD, DBK: tl.constexpr):
-    """NVFP4 of whole rows held in a tile, v [ROWS, BLOCK] fp32 (zeros past N, N a multiple of 16), with per-row
-    global scales: packed bytes to Q [R, N/2], scale bytes to QS [R, N/16], global scales to QGS [R]. Only
-    maxima and elementwise operations (`quantize_codes`): the bits of `quantize_triton` of the same rows.
-    DBK > 1: the rows' decoded form to QD too (`store_decoded`, rows of cdiv(N, DBK) * DBK)."""
-    gs = row_global_scale(tl.max(tl.abs(v), axis=1))
-    tl.store(QGS + rows64, gs, mask=row_ok)
-    gsb = tl.reshape(tl.broadcast_to(gs[:, None], [ROWS, BLOCK // 16]), [ROWS * (BLOCK // 16)])
-    even, odd, s_code = quantize_codes(tl.reshape(v, [ROWS * (BLOCK // 16), 16]), gsb, tl.div_rn(tl.zeros_like(gsb) + 1.0, gsb))
-    packed = even | (odd << 4)
-    if DBK > 1:
-        kb = tl.broadcast_to(tl.arange(0, BLOCK // 16)[None, :] * 16, [ROWS, BLOCK // 16])
-        kb = tl.where(row_ok[:, None], kb, N)  # (rows past R: not written)
-        off = tl.broadcast_to(rows64[:, None] * ((N + DBK - 1) // DBK * DBK), [ROWS, BLOCK // 16])
-        store_decoded(QD, tl.reshape(off, [ROWS * (BLOCK // 16)]), tl.reshape(kb, [ROWS * (BLOCK // 16)]), N,
-                      even, odd, s_code, DBK)
-    c8 = tl.arange(0, BLOCK // 2)
-    c16 = tl.arange(0, BLOCK // 16)
-    tl.store(Q + rows64[:, None] * (N // 2) + c8[None, :], tl.reshape(packed, [ROWS, BLOCK // 2]),
-             mask=row_ok[:, None] & (c8 < N // 2)[None, :])
-    tl.store(QS + rows64[:, None] * (N // 16) + c16[None, :], tl.reshape(s_code, [ROWS, BLOCK // 16]),
-             mask=row_ok[:, None] & (c16 < N // 16)[None, :])
 
 
 @triton.jit
@@ -304,14 +281,29 @@ def _silu_mul_chunk(GATE, UP, base, offs, N, EVEN: tl.constexpr, dtype: tl.const
 
 @triton.jit
 def _silu_mul_quantize_kernel(GATE, UP, OUT, Q, QS, QGS, QD, N, NB: tl.constexpr, EVEN: tl.constexpr, DBK: tl.constexpr,
-                              PDL: tl.constexpr):
+                              ONE_TILE: tl.constexpr, PDL: tl.constexpr):
     """One row per program (contiguous rows of N, a multiple of 16): out = silu(gate) * up as the elementwise
-    kernel, and out's NVFP4 with a per-row global scale: a first walk over the row's chunks of NB blocks for
-    the row's max |out|, a second that writes out and quantizes it (`quantize_codes`), computing out again
-    (the same elementwise operations, so the same values) instead of reading it back."""
+    kernel, and out's NVFP4 with a per-row global scale. ONE_TILE > 0 (few rows: `quantize.one_tile`): the row
+    in one tile of ONE_TILE columns, out computed once, then `quantize_rows`. Else a first walk over the row's
+    chunks of NB blocks for the row's max |out|, a second that writes out and quantizes it (`quantize_codes`),
+    computing out again (the same elementwise operations, so the same values) instead of reading it back."""
     if PDL:  # first: before any global memory access (kernels/pdl.py)
         pdl.prologue()
     row = tl.program_id(0).to(tl.int64)
+    if ONE_TILE > 0:
+        cols = tl.arange(0, ONE_TILE)[None, :]
+        out = _silu_mul_chunk(GATE, UP, row * N, cols, N, False, OUT.dtype.element_ty)
+        tl.store(OUT + row * N + cols, out, mask=cols < N)
+        rows64 = row + tl.arange(0, 1)
+        quantize_rows(out.to(tl.float32), rows64, rows64 >= 0, N, Q, QS, QGS, 1, ONE_TILE, QD, DBK)
+    else:
+        _silu_mul_quantize_walk(GATE, UP, OUT, Q, QS, QGS, QD, N, row, NB, EVEN, DBK)
+
+
+@triton.jit
+def _silu_mul_quantize_walk(GATE, UP, OUT, Q, QS, QGS, QD, N, row, NB: tl.constexpr, EVEN: tl.constexpr,
+                            DBK: tl.constexpr):
+    """`_silu_mul_quantize_kernel`'s two walks over one row."""
     blk = tl.arange(0, NB)
     offs16 = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
     offs8 = blk[:, None] * 8 + tl.arange(0, 8)[None, :]
@@ -373,9 +365,10 @@ def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, quantize: bool = Fals
     q = _quantize_buffers(r, n, gate.device, decoded)
     if r and n:
         nb = min(16 if interpreting() else 64, next_pow2(n // QBLOCK))
+        tile = one_tile(r, n)
         _silu_mul_quantize_kernel[(r,)](gate, up, out, *_quantize_args(q, out), n, NB=nb, EVEN=n % (nb * QBLOCK) == 0,
-                                        DBK=fp4_block_k() if decoded else 1, num_warps=4,
-                                        **pdl.launch(gate.device))
+                                        DBK=fp4_block_k() if decoded else 1, ONE_TILE=tile,
+                                        num_warps=one_tile_warps(tile) if tile else 4, **pdl.launch(gate.device))
     return out, q
 
 

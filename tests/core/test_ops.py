@@ -57,6 +57,29 @@ def test_triton_quantize_is_bit_exact_with_torch(dtype, rows, k, mode):
     assert _same_bits(got.global_scale, ref.global_scale)
 
 
+@pytest.mark.skipif(not HAS_CUDA and not HAS_TRITON, reason="triton missing")
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,k", [(1, 16), (7, 48), (37, 272), (3, 2048)])
+def test_triton_quantize_whole_row_tile_is_the_chunk_walk(monkeypatch, dtype, rows, k):
+    """Few rows (a decode step's) take the whole row in one tile (`quantize.one_tile`), many rows the chunk
+    walk: the same bytes, scales and global scales, and the same decoded form. (The test above compares the
+    tile with the torch backend, so this one carries the walk to it.)"""
+    from minite_core.kernels import quantize as qk
+
+    x = _rand(rows, k, seed=rows * k, dtype=dtype)
+    x[0, :16] = 0.0  # a zero block
+    x[-1, -1] = x[-1].abs().max() * 9  # an outlier in the row's last block
+    assert qk.one_tile(rows, k) >= k and qk.one_tile(qk.ONE_TILE_MAX_ROWS + 1, k) == 0
+    tile = [qk.quantize_triton(x, None, decoded=d) for d in (False, True)]
+    monkeypatch.setattr(qk, "ONE_TILE_MAX_ROWS", 0)  # every row count walks
+    assert qk.one_tile(rows, k) == 0
+    for a, b in zip(tile, [qk.quantize_triton(x, None, decoded=d) for d in (False, True)]):
+        assert _same_bits(a.data, b.data) and _same_bits(a.scale, b.scale)
+        assert _same_bits(a.global_scale, b.global_scale)
+    assert torch.equal(tile[1].decoded, b.decoded)
+
+
 @pytest.mark.interpreter
 @pytest.mark.skipif(not HAS_TRITON, reason="triton missing")
 def test_triton_quantize_explicit_scale_saturates_like_torch():

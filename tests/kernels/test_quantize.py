@@ -147,5 +147,6 @@ def test_the_quantize_kernels_compile_for_sm90():
     from tests.sm90 import run_compile_script
 
     out = run_compile_script(COMPILE_SCRIPT)
-    assert {"quantize_row_gs", "quantize_many", "dequantize_bf16", "dequantize_fp32"} <= set(out), out
+    assert {"quantize_row_gs", "quantize_row_gs_one_tile_K2048", "quantize_row_gs_one_tile_K8192", "quantize_many",
+            "silu_mul_quantize_one_tile_N3072", "silu_mul_quantize_one_tile_N6144", "dequantize_bf16", "dequantize_fp32"} <= set(out), out
     assert all(v == 0 for v in out.values()), out

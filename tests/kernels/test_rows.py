@@ -94,12 +94,18 @@ def _same_nvfp4(a, b):
             and torch.equal(a.global_scale, b.global_scale) and a.shape == b.shape)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend,tile", [("torch", "-"), ("triton", "whole row"), ("triton", "walk")])
 @pytest.mark.parametrize("n", [64, 208])  # (interpreter: 64 is whole quantize chunks, 208 is not)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_ops_that_quantize_their_output(device, backend, n, dtype):
+def test_row_ops_that_quantize_their_output(device, monkeypatch, backend, tile, n, dtype):
     """rms_norm / silu_mul with quantize=True: the op's own output (bits), and quantize() of it (bits), from
-    one kernel on the triton backend; batch-invariant; rows past the program's tile and odd row counts."""
+    one kernel on the triton backend; batch-invariant; rows past the program's tile and odd row counts. The
+    triton SiLU*up and quantize take the whole row in one tile for these few rows, or (walk) the chunk walk
+    that many rows take (`quantize.one_tile`)."""
+    if tile == "walk":
+        from minite_core.kernels import quantize as qk
+
+        monkeypatch.setattr(qk, "ONE_TILE_MAX_ROWS", 0)
     x = _rand(2, 7, n, seed=20, device=device, dtype=dtype) * torch.logspace(-3, 1, 7, device=device).view(1, 7, 1).to(dtype)
     w = _rand(n, seed=21, device=device, dtype=dtype, shift=1.0)
     up = _rand(2, 7, n, seed=22, device=device, dtype=dtype)
