@@ -392,7 +392,6 @@ def test_wide_tiles_on_a_packed_weight_equal_the_decoded_operands(monkeypatch, n
     """WIDE_PACKED_MAX_M: the wide tiles (M > 128) on a weight without its decoded form (the rollout's) decode
     the weight in the tile, with the activation decoded by its quantize, and launch no `_decode_kernel`: the
     bits of the tile on both operands decoded, with the weight decoded per call or carried (the learner's)."""
-    from bench.launches import Launches
     from minite_core.kernels import gemm
     from minite_core.kernels.quantize import quantize_many_triton, quantize_triton
 
@@ -413,6 +412,10 @@ def test_wide_tiles_on_a_packed_weight_equal_the_decoded_operands(monkeypatch, n
         assert all(torch.equal(a, b) for a, b in zip(got, ref)), dt
         assert torch.equal(gemm.gemm_triton(xq, carried, None, dt), ref[0])  # the learner's weight: decoded operands
     if DEVICE == "cpu":  # the launches, counted under the interpreter: one GEMM, no decode; above the bound, a decode
+        # (imported here: bench.launches sets TRITON_INTERPRET=1, which on a GPU would make every kernel module
+        # imported after it in this process run in the interpreter)
+        from bench.launches import Launches
+
         with Launches() as launches:
             gemm.gemm_many_triton(xq, [packed, w2], [None, None], torch.float32)
         assert "triton _decode_kernel" not in launches.counts and launches.counts["triton _gemm_kernel"] == 1
