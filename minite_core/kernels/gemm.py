@@ -602,9 +602,12 @@ DECODE_X_MIN_M: int | None = None
 # copy), up to this M: the wide tile decodes the packed weight itself and reads the activation decoded (A_DECODED,
 # as the op that quantized it wrote it), instead of a `decode_nvfp4` launch per weight per call (196 launches a
 # 0.6B prefill, on a host-bound prefill). The same values in the same dots, so the same bits. None: off (every
-# weight decoded per call); the learner's weights carry their decoded form and never take this path.
+# weight decoded per call); the learner's weights carry their decoded form and never take this path. 2048: on an
+# H100 (2026-12-06, docs/benchmarks.md) it saved 5.5-8 ms of a prefill at M = 2048 (0.6B and 1.7B) and at 0.6B up
+# to M = 8192, but cost 5-20 ms at 1.7B from M = 4096 (the tile's decode repeats per row tile: GPU time that a
+# host-bound prefill hides and a GPU-bound one pays).
 # MINITE_WIDE_PACKED_MAX_M (read at import; the bits do not depend on it) sets another bound, 0 off.
-DEFAULT_WIDE_PACKED_MAX_M: int | None = None
+DEFAULT_WIDE_PACKED_MAX_M: int | None = 2048
 
 
 def _wide_packed_from_env() -> int | None:
