@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One device session: the GPU tests of the kernels and engines, then the benchmarks, logs under $OUT.
-#   bash bench/gpu_session.sh [tests] [rollout] [learner] [attention] [gemm] [gemm-bits] [learner-cap] [rollout-cap] [launch] [packed]
+#   bash bench/gpu_session.sh [tests] [rollout] [learner] [attention] [gemm] [gemm-bits] [learner-cap] [rollout-cap] [launch] [packed] [one-tile]
 #   (default: all but gemm-bits and the caps; learner-cap / rollout-cap: MINITE_MAX_K_CHUNKS=$CAP, default 1;
 #   the engines' own cap is gemm.DEFAULT_MAX_CHUNKS = 4, CAP=64 gives the uncapped S of before 2026-12-06)
 # gemm-bits: bench/gemm.py again with the element-wise FP4 decode (MINITE_FP4_DECODE=bits), for the word decode's gain.
 # packed: bench/rollout.py with MINITE_WIDE_PACKED_MAX_M=0 and =$WP (default 65536; PACKED_ARGS: its arguments).
+# one-tile: bench/rollout.py with a decode step's quantizes on whole-row tiles (the default) and on the chunk walk.
 # launch: bench/launch_cost.py, the host's time per call of each op at tiny sizes, and (--stages) the steps of Triton's launch path.
 # ROLLOUT_ARGS / LEARNER_ARGS / GEMM_ARGS / LAUNCH_ARGS override the benchmarks' arguments, ROLLOUT_TIMEOUT / LEARNER_TIMEOUT
 # their time limits (s). A summary table comes last.
@@ -60,6 +61,14 @@ for p in $parts; do
               MINITE_WIDE_PACKED_MAX_M=$wp timeout ${ROLLOUT_TIMEOUT:-420} python3 bench/rollout.py \
                 ${PACKED_ARGS:---configs 0.6b,1.7b --batches 16,64 --repeats 3 --peers minite-nvfp4,minite-bf16} 2>&1 \
                 | tee "$OUT/rollout_packed_$wp.txt" | grep -E "^(0.6b|1.7b|moe) " | sed "s/^/MINITE_WIDE_PACKED_MAX_M=$wp: /"
+            done ;;
+    # a decode step's few rows quantized with the whole row in one tile (quantize.ONE_TILE_MAX_ROWS, the default) or
+    # with the chunk walk that many rows take (0): the same rollout run both ways (same bits either way)
+    one-tile) for rows in 256 0; do
+              timeout ${ROLLOUT_TIMEOUT:-420} python3 -c "import runpy, sys; from minite_core.kernels import quantize
+quantize.ONE_TILE_MAX_ROWS = $rows; sys.argv[0] = 'bench/rollout.py'; runpy.run_path('bench/rollout.py', run_name='__main__')" \
+                ${ONE_TILE_ARGS:---configs 0.6b,1.7b --batches 16,64 --repeats 2 --peers minite-nvfp4} 2>&1 \
+                | tee "$OUT/rollout_one_tile_$rows.txt" | grep -E "^(0.6b|1.7b|moe) " | sed "s/^/ONE_TILE_MAX_ROWS=$rows: /"
             done ;;
     attention) timeout 120 python3 bench/attention.py 2>&1 | tee "$OUT/attention.txt" | tail -20 ;;
     launch) timeout 150 python3 bench/launch_cost.py ${LAUNCH_ARGS:---stages} 2>&1 | tee "$OUT/launch.txt" | tail -20 ;;
