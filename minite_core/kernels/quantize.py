@@ -322,7 +322,8 @@ QUANTIZE_MAX_NB = 64
 # its amax and its codes from the same registers, more warps a row; many rows (a prefill, the learner) keep the
 # chunk walk, which measured faster for bandwidth (the whole-row kernel at 8192 rows: 0.68 of copy against
 # 0.69, slower on the H200; docs/benchmarks.md). The same bits either way (maxima and elementwise operations:
-# tests/core/test_ops.py and tests/kernels/test_rows.py run both). Used by this quantize and SiLU*up's.
+# tests/core/test_ops.py and tests/kernels/test_rows.py run both). Used by this quantize and SiLU*up's. On an H100
+# (2026-12-06) they took 3.6% off a 1.7B decode step at batch 16, ~1% (noise) at 0.6B.
 ONE_TILE_MAX_ROWS = 256
 ONE_TILE_MAX_K = 8192
 

@@ -280,27 +280,6 @@ def _silu_mul_chunk(GATE, UP, base, offs, N, EVEN: tl.constexpr, dtype: tl.const
 
 
 @triton.jit
-def _silu_mul_quantize_kernel(GATE, UP, OUT, Q, QS, QGS, QD, N, NB: tl.constexpr, EVEN: tl.constexpr, DBK: tl.constexpr,
-                              ONE_TILE: tl.constexpr, PDL: tl.constexpr):
-    """One row per program (contiguous rows of N, a multiple of 16): out = silu(gate) * up as the elementwise
-    kernel, and out's NVFP4 with a per-row global scale. ONE_TILE > 0 (few rows: `quantize.one_tile`): the row
-    in one tile of ONE_TILE columns, out computed once, then `quantize_rows`. Else a first walk over the row's
-    chunks of NB blocks for the row's max |out|, a second that writes out and quantizes it (`quantize_codes`),
-    computing out again (the same elementwise operations, so the same values) instead of reading it back."""
-    if PDL:  # first: before any global memory access (kernels/pdl.py)
-        pdl.prologue()
-    row = tl.program_id(0).to(tl.int64)
-    if ONE_TILE > 0:
-        cols = tl.arange(0, ONE_TILE)[None, :]
-        out = _silu_mul_chunk(GATE, UP, row * N, cols, N, False, OUT.dtype.element_ty)
-        tl.store(OUT + row * N + cols, out, mask=cols < N)
-        rows64 = row + tl.arange(0, 1)
-        quantize_rows(out.to(tl.float32), rows64, rows64 >= 0, N, Q, QS, QGS, 1, ONE_TILE, QD, DBK)
-    else:
-        _silu_mul_quantize_walk(GATE, UP, OUT, Q, QS, QGS, QD, N, row, NB, EVEN, DBK)
-
-
-@triton.jit
 def _silu_mul_quantize_walk(GATE, UP, OUT, Q, QS, QGS, QD, N, row, NB: tl.constexpr, EVEN: tl.constexpr,
                             DBK: tl.constexpr):
     """`_silu_mul_quantize_kernel`'s two walks over one row."""
@@ -330,6 +309,27 @@ def _silu_mul_quantize_walk(GATE, UP, OUT, Q, QS, QGS, QD, N, row, NB: tl.conste
             tl.store(OUT + row * N + k0 + offs16, out, mask=(k0 + offs16) < N)
             tl.store(Q + row * (N // 2) + k0 // 2 + offs8, packed, mask=(k0 // 2 + offs8) < N // 2)
             tl.store(QS + row * (N // 16) + k0 // 16 + blk, s_code, mask=(k0 // 16 + blk) < N // 16)
+
+
+@triton.jit
+def _silu_mul_quantize_kernel(GATE, UP, OUT, Q, QS, QGS, QD, N, NB: tl.constexpr, EVEN: tl.constexpr, DBK: tl.constexpr,
+                              ONE_TILE: tl.constexpr, PDL: tl.constexpr):
+    """One row per program (contiguous rows of N, a multiple of 16): out = silu(gate) * up as the elementwise
+    kernel, and out's NVFP4 with a per-row global scale. ONE_TILE > 0 (few rows: `quantize.one_tile`): the row
+    in one tile of ONE_TILE columns, out computed once, then `quantize_rows`. Else a first walk over the row's
+    chunks of NB blocks for the row's max |out|, a second that writes out and quantizes it (`quantize_codes`),
+    computing out again (the same elementwise operations, so the same values) instead of reading it back."""
+    if PDL:  # first: before any global memory access (kernels/pdl.py)
+        pdl.prologue()
+    row = tl.program_id(0).to(tl.int64)
+    if ONE_TILE > 0:
+        cols = tl.arange(0, ONE_TILE)[None, :]
+        out = _silu_mul_chunk(GATE, UP, row * N, cols, N, False, OUT.dtype.element_ty)
+        tl.store(OUT + row * N + cols, out, mask=cols < N)
+        rows64 = row + tl.arange(0, 1)
+        quantize_rows(out.to(tl.float32), rows64, rows64 >= 0, N, Q, QS, QGS, 1, ONE_TILE, QD, DBK)
+    else:
+        _silu_mul_quantize_walk(GATE, UP, OUT, Q, QS, QGS, QD, N, row, NB, EVEN, DBK)
 
 
 @triton.jit
