@@ -610,13 +610,21 @@ DECODE_X_MIN_M: int | None = None
 DEFAULT_WIDE_PACKED_MAX_M: int | None = 2048
 
 
-def _wide_packed_from_env() -> int | None:
-    value = os.environ.get("MINITE_WIDE_PACKED_MAX_M")
+def _env_count(name: str, default, valid, want: str):
+    """The non-negative integer setting `name` from the environment (`default` when unset); a value that is not
+    one, or that `valid` refuses, raises a ValueError naming the variable and what it wants."""
+    value = os.environ.get(name)
     if value is None:
-        return DEFAULT_WIDE_PACKED_MAX_M
-    if not value.isdigit():
-        raise ValueError(f"MINITE_WIDE_PACKED_MAX_M={value!r}: set it to a row count (0: off)")
-    return int(value) or None
+        return default
+    n = int(value) if value.isdigit() else -1
+    if n < 0 or not valid(n):
+        raise ValueError(f"{name}={value!r}: set it to {want}")
+    return n
+
+
+def _wide_packed_from_env() -> int | None:
+    bound = _env_count("MINITE_WIDE_PACKED_MAX_M", DEFAULT_WIDE_PACKED_MAX_M, lambda n: True, "a row count (0: off)")
+    return bound or None
 
 
 WIDE_PACKED_MAX_M = _wide_packed_from_env()
@@ -669,13 +677,8 @@ DEFAULT_MAX_CHUNKS = 4
 
 
 def _max_chunks_from_env() -> int:
-    value = os.environ.get("MINITE_MAX_K_CHUNKS")
-    if value is None:
-        return DEFAULT_MAX_CHUNKS
-    cap = int(value) if value.isdigit() else 0
-    if cap < 1 or cap & (cap - 1):
-        raise ValueError(f"MINITE_MAX_K_CHUNKS={value!r}: set it to a power of two (1, 2, 4, ...)")
-    return cap
+    return _env_count("MINITE_MAX_K_CHUNKS", DEFAULT_MAX_CHUNKS, lambda n: n >= 1 and not n & (n - 1),
+                      "a power of two (1, 2, 4, ...)")
 
 
 MAX_CHUNKS = _max_chunks_from_env()
