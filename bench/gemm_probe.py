@@ -55,7 +55,7 @@ _PTRS = dict(a_ptr="*u8", as_ptr="*u8", ags_ptr="*fp32", b_ptr="*u8", bs_ptr="*u
 _QK_PTRS = dict(Q="*bf16", K="*bf16", V="*bf16", WQ="*bf16", WK="*bf16", C="*bf16", S="*bf16", QO="*bf16", KO="*bf16",
                 VO="*bf16", QN="*bf16", KN="*bf16", RQ="*fp32", RK="*fp32", SLOT="*i32", POS="*i64")
 _ATT_PTRS = dict(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", MS="*fp32", LS="*fp32", ACCS="*fp32", QPOS="*i32",
-                 KVLEN="*i32", KVROW="*i32")
+                 KVLEN="*i32", KVROW="*i32", CNT="*i32", QP="*u8", QS="*u8", QGS="*fp32", QD="*fp16")
 for _i in range(3):  # the GEMM's weights of one launch (segments)
     _PTRS.update({f"b{_i}": "*u8", f"bs{_i}": "*u8", f"bgs{_i}": "*fp32", f"bias{_i}": "*bf16", f"c{_i}": "*bf16"})
 _FLOATS = ("nf", "eps", "scale")
@@ -251,13 +251,17 @@ def sm90_cases() -> list[tuple]:
     cases.append(("silu_mul", rows_mod._silu_mul_fwd_kernel, dict(BLOCK=1024),
                   dict(BLOCK_M=1, BLOCK_N=1024, BLOCK_K=16, num_warps=4, num_stages=1), (), 1))
     bm, bn, sn = att_mod.attention_config()  # decode: a KV head's query heads in one tile, the cache rows by slot
-    cases.append(("attention_decode", att_mod._attention_kernel,
-                  dict(D=128, BLOCK_M=bm, BLOCK_N=bn, SPLIT_N=sn, DOT_BY_SUM=False, IEEE=False, HAS_KVROW=True),
-                  dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=16, num_warps=att_mod.NUM_WARPS, num_stages=1),
-                  ("spb", "spr", "NGRP", "GPK", "ROWS", "TK", "NSPLIT", "CPS"), 1, _ATT_PTRS))
-    cases.append(("attention_combine", att_mod._combine_kernel, dict(D=128, BLOCK_R=16),
-                  dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=16, num_warps=4, num_stages=1),
-                  ("sob", "sog", "sor", "NGRP", "ROWS", "NSPLIT"), 1, _ATT_PTRS))
+    # and with the o_proj input's quantize of a 0.6B / 1.7B row (16 heads x 128) and of a 64-head one (8192)
+    for qn in (0, 2048, 8192):
+        quant = dict(QUANT=qn > 0, BLOCK_Q=qn or 16, DBK=1)
+        sfx = f"_quantize_{qn}" if qn else ""
+        cases.append((f"attention_decode{sfx}", att_mod._attention_kernel,
+                      dict(D=128, BLOCK_M=bm, BLOCK_N=bn, SPLIT_N=sn, DOT_BY_SUM=False, IEEE=False, HAS_KVROW=True, **quant),
+                      dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=16, num_warps=att_mod.NUM_WARPS, num_stages=1),
+                      ("spb", "spr", "NGRP", "GPK", "ROWS", "TK", "NSPLIT", "CPS"), 1, _ATT_PTRS))
+        cases.append((f"attention_combine{sfx}", att_mod._combine_kernel, dict(D=128, BLOCK_R=16, **quant),
+                      dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=16, num_warps=4, num_stages=1),
+                      ("sob", "sog", "sor", "NGRP", "ROWS", "NSPLIT"), 1, _ATT_PTRS))
     return [(name, kern, dict(const, PDL=True) if "PDL" in kern.arg_names else const, *rest)
             for name, kern, const, *rest in cases]
 

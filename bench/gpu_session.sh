@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One device session: the GPU tests of the kernels and engines, then the benchmarks, logs under $OUT.
-#   bash bench/gpu_session.sh [tests] [rollout] [learner] [attention] [gemm] [gemm-bits] [learner-cap] [rollout-cap] [launch] [packed] [one-tile]
+#   bash bench/gpu_session.sh [tests] [rollout] [learner] [attention] [gemm] [gemm-bits] [learner-cap] [rollout-cap] [launch] [packed] [one-tile] [attn-quant]
 #   (default: all but gemm-bits and the caps; learner-cap / rollout-cap: MINITE_MAX_K_CHUNKS=$CAP, default 1;
 #   the engines' own cap is gemm.DEFAULT_MAX_CHUNKS = 4, CAP=64 gives the uncapped S of before 2026-12-06)
 # gemm-bits: bench/gemm.py again with the element-wise FP4 decode (MINITE_FP4_DECODE=bits), for the word decode's gain.
 # packed: bench/rollout.py with MINITE_WIDE_PACKED_MAX_M=0 and =$WP (default 65536; PACKED_ARGS: its arguments).
 # one-tile: bench/rollout.py with a decode step's quantizes on whole-row tiles (the default) and on the chunk walk.
+# attn-quant: bench/rollout.py with the o_proj input quantized in the decode attention kernel (the default) and after it.
 # launch: bench/launch_cost.py, the host's time per call of each op at tiny sizes, and (--stages) the steps of Triton's launch path.
 # ROLLOUT_ARGS / LEARNER_ARGS / GEMM_ARGS / LAUNCH_ARGS override the benchmarks' arguments, ROLLOUT_TIMEOUT / LEARNER_TIMEOUT
 # their time limits (s). A summary table comes last.
@@ -69,6 +70,14 @@ for p in $parts; do
 quantize.ONE_TILE_MAX_ROWS = $rows; sys.argv[0] = 'bench/rollout.py'; runpy.run_path('bench/rollout.py', run_name='__main__')" \
                 ${ONE_TILE_ARGS:---configs 0.6b,1.7b --batches 16,64 --repeats 2 --peers minite-nvfp4} 2>&1 \
                 | tee "$OUT/rollout_one_tile_$rows.txt" | grep -E "^(0.6b|1.7b|moe) " | sed "s/^/ONE_TILE_MAX_ROWS=$rows: /"
+            done ;;
+    # a decode step's o_proj input quantized by the attention kernel (attention.FUSE_QUANTIZE, the default) or by a
+    # quantize launch after it (same bits): the same rollout run both ways
+    attn-quant) for fuse in True False; do
+              timeout ${ROLLOUT_TIMEOUT:-420} python3 -c "import runpy, sys; from minite_core.kernels import attention
+attention.FUSE_QUANTIZE = $fuse; sys.argv[0] = 'bench/rollout.py'; runpy.run_path('bench/rollout.py', run_name='__main__')" \
+                ${ATTN_QUANT_ARGS:---configs 0.6b,1.7b --batches 16,64 --repeats 2 --peers minite-nvfp4} 2>&1 \
+                | tee "$OUT/rollout_attn_quant_$fuse.txt" | grep -E "^(0.6b|1.7b|moe) " | sed "s/^/FUSE_QUANTIZE=$fuse: /"
             done ;;
     attention) timeout 120 python3 bench/attention.py 2>&1 | tee "$OUT/attention.txt" | tail -20 ;;
     launch) timeout 150 python3 bench/launch_cost.py ${LAUNCH_ARGS:---stages} 2>&1 | tee "$OUT/launch.txt" | tail -20 ;;

@@ -18,8 +18,9 @@ A decode step of a small model is bound by kernel launches, so the ops the model
 fused, each with the arithmetic of the chain it replaces: `linears` (projections of one input: one
 activation quantize, one GEMM launch), `rms_norm` / `silu_mul` with quantize=True (the NVFP4 activation
 of the next linears from the same kernel), `add_rms_norm` (the residual add in the norm's kernel),
-`qk_norm_rope` (q/k RMSNorm, RoPE and the KV-cache write), `attention(out_dtype=)`. `bench/launches.py`
-counts what a decode step launches.
+`qk_norm_rope` (q/k RMSNorm, RoPE and the KV-cache write), `attention(out_dtype=)` (rounded in the kernel;
+with quantize=True a decode step's kernel also makes the o_proj input's NVFP4). `bench/launches.py` counts what
+a decode step launches.
 """
 from __future__ import annotations
 
@@ -526,13 +527,16 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor, *,
               scale: float | None = None, backend: str | None = None, kv_rows: torch.Tensor | None = None,
-              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+              out_dtype: torch.dtype | None = None, quantize: bool = False):
     """Causal GQA attention, q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] -> fp32; see `reference.attention`
     (torch backend) and `kernels.attention` (triton backend). Either way prefill == decode, bit for bit.
     `kv_rows` [B] (inference): k/v are a whole slot cache [S, Hkv, Tk, D], sequence b attends over row
     kv_rows[b]; the same result as passing k[kv_rows], v[kv_rows], without copying the cache rows.
     `out_dtype`: the fp32 result rounded to that dtype (the triton backend rounds in the kernel and lays
-    the output out as [B, Tq, Hq, D], returning its [B, Hq, Tq, D] view)."""
+    the output out as [B, Tq, Hq, D], returning its [B, Hq, Tq, D] view).
+    `quantize=True` (inference, with `out_dtype`) -> (out, the per-row NVFP4 of out as the o_proj reads it,
+    [B, Tq, Hq * D]): the bits of `quantize` on it; a triton decode step over a cache makes it in the attention
+    kernel itself (`kernels.attention.fuses_quantize`), every other call with `quantize`."""
     backend = resolve_backend(backend)
     rows_ok = q.shape[0] == k.shape[0] if kv_rows is None else tuple(kv_rows.shape) == (q.shape[0],)
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or not rows_ok or q.shape[3] != k.shape[3]:
@@ -541,6 +545,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if quantize:
+        return _attention_quantized(q, k, v, q_pos, kv_len, scale, backend, kv_rows, out_dtype)
     if backend == "triton":
         from .kernels.attention import AttentionFunction, attention_forward
 
@@ -554,3 +560,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
         k, v = k[kv_rows], v[kv_rows]
     out = reference.attention(q, k, v, q_pos, kv_len, scale)
     return out if out_dtype is None else out.to(out_dtype)
+
+
+def _attention_quantized(q, k, v, q_pos, kv_len, scale: float, backend: str, kv_rows, out_dtype):
+    """`attention(..., quantize=True)`: (out, quantize(out as [B, Tq, Hq * D]))."""
+    if out_dtype is None or (torch.is_grad_enabled() and q.requires_grad):
+        raise ValueError("attention(quantize=True) is for inference (no autograd), with out_dtype set")
+    b, hq, tq, d = q.shape
+    if hq * d % nvfp4.BLOCK:
+        raise ValueError(f"attention(quantize=True): the output rows' width Hq * D ({hq * d}) must be a multiple of {nvfp4.BLOCK}")
+    if backend == "triton" and kv_rows is not None:
+        from .kernels.attention import attention_forward, fuses_quantize
+        from .kernels.gemm import decodes_activation
+        from .kernels.quantize import as_nvfp4
+
+        if fuses_quantize(tq, hq, d, out_dtype):
+            _check_triton_device(q, "q")
+            out, parts = attention_forward(q, k, v, q_pos, kv_len, scale, kv_rows=kv_rows, out_dtype=out_dtype,
+                                           quantize=True, decoded=decodes_activation(b * tq))
+            return out, as_nvfp4(parts, (b, tq, hq * d))
+    out = attention(q, k, v, q_pos, kv_len, scale=scale, backend=backend, kv_rows=kv_rows, out_dtype=out_dtype)
+    flat = out.transpose(1, 2).reshape(b, tq, hq * d)
+    return out, quantize(flat, backend=backend, check_finite=False, decoded=backend == "triton" and _decoded_for(flat))

@@ -41,6 +41,13 @@ on its own unless written as an explicit fma), so no compiler choice can differ 
 that differ between prefill and decode are not value-specialized, so both run one binary of
 `_attention_kernel`.
 
+A decode step's output row of a sequence (its Hq heads at one position) is the o_proj input, which NVFP4
+quantizes with a per-row global scale: its amax spans every head, so every program of the sequence (one per
+KV head; in the split launch the combine's) holds only a part. With `quantize` the last of them to store its
+part quantizes the row (`_quantize_when_last`: an arrival counter, as the GEMM's split tiles finish) with the
+quantize kernel's own arithmetic on the stored bf16 values, so the bits of a quantize launch after the
+attention, without that launch (NVFP4's only decode-step kernel that BF16 does not run).
+
 The learner's backward recomputes the same attention with torch SDPA (the flash / memory-efficient
 kernels) and differentiates that: only the forward must match the rollout, and the backward of a
 mathematically identical function is as good a gradient as any.
@@ -55,7 +62,8 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .gemm import cdiv, interpreting
+from .gemm import cdiv, fp4_block_k, interpreting, next_pow2, tile_counters
+from .quantize import ONE_TILE_MAX_K, decode_buffer, nvfp4_buffers, quantize_rows
 from .rows import round_to
 
 NUM_WARPS = 8  # the same for every launch of _attention_kernel (it fixes the tile's register layout); at 4 the
@@ -95,13 +103,31 @@ def _finish(l, acc):
 # Sizes that differ between prefill and decode (and the position tensor, whose stride is Tq) are not
 # value-specialized, so both launches run one compiled binary. The remaining strides are multiples of
 # head_dim either way.
+@triton.jit
+def _quantize_when_last(O, sob, b, CNT, arrivals, QN, QP, QS, QGS, QD, BLOCK_Q: tl.constexpr, DBK: tl.constexpr):
+    """Sequence b's output row (its QN = Hq * D values at O + b * sob, which `arrivals` programs store in parts)
+    quantized to NVFP4 by the last of them to finish: a CTA barrier (every thread's part is stored), an acq_rel
+    arrival at GPU scope on the sequence's counter (the GEMM's split-tile pattern), then the row read back past
+    L1 and `quantize_rows` on it: the values and the arithmetic of `quantize_triton` on the stored row, so its
+    bits. The last program resets the counter: zeros between launches (a CUDA graph replays them)."""
+    tl.debug_barrier()
+    done = tl.atomic_add(CNT + b, 1, sem="acq_rel", scope="gpu")
+    if done == arrivals - 1:
+        cols = tl.arange(0, BLOCK_Q)
+        v = tl.load(O + b.to(tl.int64) * sob + cols[None, :], mask=(cols < QN)[None, :], other=0.0, cache_modifier=".cg")
+        rows64 = b.to(tl.int64) + tl.arange(0, 1)
+        quantize_rows(v.to(tl.float32), rows64, rows64 >= 0, QN, QP, QS, QGS, 1, BLOCK_Q, QD, DBK)
+        tl.store(CNT + b, 0)
+
+
 @triton.jit(do_not_specialize=["QPOS", "KVLEN", "spb", "spr", "NGRP", "GPK", "ROWS", "TK", "NSPLIT", "CPS"])
 def _attention_kernel(
-    Q, K, V, O, MS, LS, ACCS, QPOS, KVLEN, KVROW,
+    Q, K, V, O, MS, LS, ACCS, QPOS, KVLEN, KVROW, CNT, QP, QS, QGS, QD,
     sqb, sqg, sqr, skb, skh, skt, svb, svh, svt, sob, sog, sor, spb, spr,
-    scale, NGRP, GPK, ROWS, TK, NSPLIT, CPS,
+    scale, NGRP, GPK, ROWS, TK, NSPLIT, CPS, QN,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_N: tl.constexpr,
     DOT_BY_SUM: tl.constexpr, IEEE: tl.constexpr, HAS_KVROW: tl.constexpr, PDL: tl.constexpr,
+    QUANT: tl.constexpr, BLOCK_Q: tl.constexpr, DBK: tl.constexpr,
 ):
     if PDL:  # first: before any global memory access (kernels/pdl.py)
         pdl.prologue()
@@ -168,6 +194,8 @@ def _attention_kernel(
     if NSPLIT == 1:
         out = round_to(_finish(l_i, acc), O.dtype.element_ty)
         tl.store(O + b * sob + grp * sog + g[:, None] * sor + d[None, :], out, mask=row_ok[:, None])
+        if QUANT:  # (decode: a sequence's row is its NGRP groups' tiles)
+            _quantize_when_last(O, sob, b, CNT, NGRP * tl.num_programs(1), QN, QP, QS, QGS, QD, BLOCK_Q, DBK)
     else:  # this program's chunk partial, exact in fp32; _combine_kernel folds the chunks in order
         r = (bg * NSPLIT + split) * ROWS + g
         tl.store(MS + r, m_i, mask=row_ok)
@@ -177,8 +205,9 @@ def _attention_kernel(
 
 @triton.jit(do_not_specialize=["NGRP", "ROWS", "NSPLIT"])
 def _combine_kernel(
-    O, MS, LS, ACCS, sob, sog, sor, NGRP, ROWS, NSPLIT,
-    D: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
+    O, MS, LS, ACCS, CNT, QP, QS, QGS, QD, sob, sog, sor, NGRP, ROWS, NSPLIT, QN,
+    D: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr, QUANT: tl.constexpr, BLOCK_Q: tl.constexpr,
+    DBK: tl.constexpr,
 ):
     if PDL:  # first: before any global memory access (kernels/pdl.py)
         pdl.prologue()
@@ -199,6 +228,8 @@ def _combine_kernel(
         m_i, l_i, acc = _combine(m_i, l_i, acc, m_c, l_c, acc_c)
     out = round_to(_finish(l_i, acc), O.dtype.element_ty)
     tl.store(O + b * sob + grp * sog + g[:, None] * sor + d[None, :], out, mask=row_ok[:, None])
+    if QUANT:
+        _quantize_when_last(O, sob, b, CNT, NGRP * tl.num_programs(1), QN, QP, QS, QGS, QD, BLOCK_Q, DBK)
 
 
 def attention_config() -> tuple[int, int, int]:
@@ -208,9 +239,21 @@ def attention_config() -> tuple[int, int, int]:
     return (16, 8, 16) if interpreting() else (64, 64, 256)
 
 
+# Whether a decode step's attention kernel quantizes the o_proj input itself (`ops.attention(quantize=True)`);
+# False: a quantize launch after it, the same bits (bench/gpu_session.sh attn-quant times both).
+FUSE_QUANTIZE = True
+
+
+def fuses_quantize(tq: int, hq: int, d: int, out_dtype: torch.dtype | None) -> bool:
+    """Can `attention_forward` quantize its output in the kernel: a decode step (one query a sequence, so a
+    sequence's output row, the o_proj input, is its Hq heads at one position), rounded to a model dtype, the
+    row within one quantize tile (`quantize.ONE_TILE_MAX_K`)."""
+    return FUSE_QUANTIZE and tq == 1 and out_dtype is not None and next_pow2(hq * d) <= ONE_TILE_MAX_K
+
+
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, kv_len: torch.Tensor,
                       scale: float, *, split: bool | None = None, kv_rows: torch.Tensor | None = None,
-                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                      out_dtype: torch.dtype | None = None, quantize: bool = False, decoded: bool = False):
     """q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] (a cache may be longer than kv_len), q_pos [B, Tq], kv_len [B] -> fp32 [B, Hq, Tq, D].
 
     `out_dtype`: the output rounded once (to nearest even) to that dtype in the kernel, laid out as
@@ -222,8 +265,16 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
 
     `split`: None picks the split (decode) launch when there are fewer than 64 (sequence, KV head) groups
     (measured: faster at batch 1, slower than the tile launch at 16 and 64) and all Hq/Hkv * Tq query rows of a KV head fit one
-    tile, the prefill launch otherwise; True / False force one. The bits are the same either way."""
+    tile, the prefill launch otherwise; True / False force one. The bits are the same either way.
+
+    `quantize` (a decode step, `fuses_quantize`): also the NVFP4 of each sequence's output row [Hq * D] with a
+    per-row global scale, made by the kernel that stores the row's last part (`_quantize_when_last`): returns
+    (out, (packed bytes [B, Hq*D/2], scale bytes [B, Hq*D/16], global scales [B])), plus the decoded form
+    [B, Hq*D padded] with `decoded` -- the bits of `quantize_triton` on out's rows, one launch fewer."""
     b, hq, tq, d = q.shape
+    if quantize and not fuses_quantize(tq, hq, d, out_dtype):
+        raise ValueError(f"attention_forward(quantize=True) quantizes a decode step's output rows: one query a "
+                         f"sequence (got {tq}), out_dtype set (got {out_dtype}), Hq * D <= {ONE_TILE_MAX_K} (got {hq * d})")
     hkv, tk = k.shape[1], k.shape[2]
     if kv_rows is not None:
         kv_rows = kv_rows.to(torch.int32).contiguous()
@@ -238,8 +289,18 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
         out = torch.empty(b, hq, tq, d, device=q.device, dtype=torch.float32)
     else:
         out = torch.empty(b, tq, hq, d, device=q.device, dtype=out_dtype).transpose(1, 2)
+    qn = hq * d
+    if quantize:
+        parts = nvfp4_buffers(b, qn, q.device) + ((decode_buffer(b, qn, q.device),) if decoded else ())
+        qp, qs, qgs = parts[:3]
+        qd, dbk = (parts[3], fp4_block_k()) if decoded else (qp, 1)
+        cnt = tile_counters(q.device, b)
+    else:
+        qp = qs = qgs = qd = cnt = kv_len  # (not read)
+        dbk = 1
+    bq = next_pow2(qn) if quantize else 16
     if out.numel() == 0:
-        return out
+        return (out, parts) if quantize else out
     bm, bn, sn = attention_config()
     rep = hq // hkv
     if tq == 1:  # decode: a group is a KV head's `rep` query heads (rows), packed into one tile
@@ -262,20 +323,22 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
         ms = ls = accs = out  # not written
         grid, cps = (b * ngrp, tiles, 1), chunks
     _attention_kernel[grid](
-        q, k, v, out, ms, ls, accs, q_pos, kv_len, kv_rows if kv_rows is not None else kv_len,
+        q, k, v, out, ms, ls, accs, q_pos, kv_len, kv_rows if kv_rows is not None else kv_len, cnt, qp, qs, qgs, qd,
         q.stride(0), sqg, sqr, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), sog, sor, q_pos.stride(0), spr,
-        float(scale), ngrp, gpk, rows, tk, nsplit, cps,
+        float(scale), ngrp, gpk, rows, tk, nsplit, cps, qn,
         D=d, BLOCK_M=bm, BLOCK_N=bn, SPLIT_N=sn, DOT_BY_SUM=interpreting(), IEEE=q.dtype == torch.float32,
-        HAS_KVROW=kv_rows is not None, num_warps=NUM_WARPS, enable_fp_fusion=False, **pdl.launch(q.device),
+        HAS_KVROW=kv_rows is not None, QUANT=quantize and nsplit == 1, BLOCK_Q=bq, DBK=dbk,
+        num_warps=NUM_WARPS, enable_fp_fusion=False, **pdl.launch(q.device),
     )
     if nsplit > 1:
         br = 16
         _combine_kernel[(b * ngrp, cdiv(rows, br))](
-            out, ms, ls, accs, out.stride(0), sog, sor, ngrp, rows, nsplit,
-            D=d, BLOCK_R=br, num_warps=4, enable_fp_fusion=False, **pdl.launch(q.device),
+            out, ms, ls, accs, cnt, qp, qs, qgs, qd, out.stride(0), sog, sor, ngrp, rows, nsplit, qn,
+            D=d, BLOCK_R=br, QUANT=quantize, BLOCK_Q=bq, DBK=dbk,
+            num_warps=4, enable_fp_fusion=False, **pdl.launch(q.device),
         )
-    return out
+    return (out, parts) if quantize else out
 
 
 class AttentionFunction(torch.autograd.Function):

@@ -8,7 +8,7 @@ its batch mates, and a decode step over a KV cache gives the bits of the full-se
 
 Per layer it runs the fused ops (`ops` docstring): add + RMSNorm (+ the NVFP4 quantize of its output when
 the next linears are NVFP4), q/k/v in one `linears` call, `qk_norm_rope` (which also writes the KV cache),
-attention, o_proj, add + RMSNorm, gate/up in one call, SiLU*up (+ quantize), down_proj; the residual
+attention (at a decode step also the o_proj input's quantize), o_proj, add + RMSNorm, gate/up in one call, SiLU*up (+ quantize), down_proj; the residual
 add of a sublayer's output happens in the next norm's kernel. Both engines run this one function, so
 they run the same kernels.
 
@@ -365,17 +365,23 @@ class Qwen3:
                 k, v = k.to(self.cache_dtype).to(self.dtype), v.to(self.cache_dtype).to(self.dtype)
                 cache.k[i][rows, :, positions] = k.transpose(1, 2)
                 cache.v[i][rows, :, positions] = v.transpose(1, 2)
+            a_q = None  # the o_proj input's NVFP4, when the attention op makes it
             if self.knobs.attention == "sdpa":
                 if cache is not None:
                     k, v = cache.k[i][slots], cache.v[i][slots]
                 a = sdpa_attention(q, k, v, positions, kv_len)
             elif cache is not None:  # attend over each sequence's cache row in place (no gather)
-                a = ops.attention(q, cache.k[i], cache.v[i], att_pos, att_len, backend=self.backend, kv_rows=att_rows,
-                                  out_dtype=self.dtype)
+                # inference: a decode step's attention kernel also quantizes the o_proj input (one launch fewer)
+                if not torch.is_grad_enabled() and self.quantizes_input(p + "self_attn.o_proj"):
+                    a, a_q = ops.attention(q, cache.k[i], cache.v[i], att_pos, att_len, backend=self.backend,
+                                           kv_rows=att_rows, out_dtype=self.dtype, quantize=True)
+                else:
+                    a = ops.attention(q, cache.k[i], cache.v[i], att_pos, att_len, backend=self.backend,
+                                      kv_rows=att_rows, out_dtype=self.dtype)
             else:
                 a = ops.attention(q, k, v, att_pos, att_len, backend=self.backend, out_dtype=self.dtype)
             a = emit(n + "attention", a.to(self.dtype).transpose(1, 2).reshape(b, t, hq * d))
-            delta = emit(n + "o_proj", self.linear(a, p + "self_attn.o_proj"))
+            delta = emit(n + "o_proj", self.linears(a, p + "self_attn.o_proj", xq=a_q)[0])
             if cfg.is_moe_layer(i):
                 x, h, _ = self.add_norm(x, delta, p + "post_attention_layernorm")
                 delta = emit(n + "mlp", self.moe(emit(n + "post_norm", h), p + "mlp."))

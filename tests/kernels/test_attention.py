@@ -208,6 +208,100 @@ def test_output_rounded_in_the_kernel_to_the_model_dtype(device):
                        ops.attention(q, k, v, pos, lens, backend="torch").to(torch.bfloat16))
 
 
+def _nvfp4_equal(a, b) -> bool:
+    same = (torch.equal(a.data, b.data) and torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8))
+            and torch.equal(a.global_scale.flatten(), b.global_scale.flatten()))
+    return same and (a.decoded is None) == (b.decoded is None) and (a.decoded is None or torch.equal(a.decoded, b.decoded))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("decoded", [False, True], ids=["codes", "decoded"])
+def test_decode_step_quantizes_its_output_rows_in_the_kernel(device, decoded):
+    """A decode step's attention also quantizes each sequence's output row (all its heads: the o_proj input) in
+    the kernel that stores the row's last part, through both launches (one program per KV head, or the split
+    launch's combine): the bits of `quantize_triton` on the stored rows, the output unchanged, the arrival
+    counters back at zero (a second call, as a CUDA graph replays it, gives the same bits)."""
+    from minite_core.kernels import gemm
+    from minite_core.kernels.attention import attention_forward
+    from minite_core.kernels.quantize import as_nvfp4, quantize_triton
+
+    _, _, sn = _cfg()
+    s, b, hq, hkv, d = 5, 3, 4, 2, 16  # 3 sequences in slots of a 5-row cache
+    cap = 3 * sn + 2
+    kc, vc = _rand(s, hkv, cap, d, seed=70, device=device), _rand(s, hkv, cap, d, seed=71, device=device)
+    q = _rand(b, hq, 1, d, seed=72, device=device) * 3
+    at = torch.tensor([[2 * sn + 1], [0], [sn - 1]], device=device)
+    slots = torch.tensor([4, 0, 2], device=device)
+    for split in (False, True):
+        plain = attention_forward(q, kc, vc, at, at[:, 0] + 1, d ** -0.5, split=split, kv_rows=slots,
+                                  out_dtype=torch.bfloat16)
+        for _ in range(2):
+            out, parts = attention_forward(q, kc, vc, at, at[:, 0] + 1, d ** -0.5, split=split, kv_rows=slots,
+                                           out_dtype=torch.bfloat16, quantize=True, decoded=decoded)
+            assert torch.equal(out, plain)
+            rows = plain.transpose(1, 2).reshape(b, hq * d)
+            assert rows.abs().amax(1).unique().numel() == b  # rows of distinct ranges: each its own global scale
+            assert _nvfp4_equal(as_nvfp4(parts, (b, hq * d)), quantize_triton(rows, None, decoded=decoded)), split
+            assert not gemm.tile_counters(q.device, b)[:b].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_decode_step_quantize_at_the_model_shape():
+    """On the GPU, Qwen3 heads (16 / 8, head_dim 128): the o_proj input quantized by the last of a row's 8
+    programs (64 sequences: the one-program launch; 3: the split launch's combine) equals `quantize_triton` of
+    the stored rows, over repeated calls (the arrival counters, the read-back of the other programs' parts)."""
+    from minite_core.kernels import gemm
+    from minite_core.kernels.attention import attention_forward
+    from minite_core.kernels.quantize import as_nvfp4, quantize_triton
+
+    hq, hkv, d, cap = 16, 8, 128, 2048
+    kc, vc = _rand(66, hkv, cap, d, seed=90, device="cuda"), _rand(66, hkv, cap, d, seed=91, device="cuda")
+    for b in (3, 64):
+        gen = torch.Generator().manual_seed(b)
+        at = torch.randint(0, cap, (b, 1), generator=gen).cuda()
+        slots = torch.randperm(66, generator=gen)[:b].cuda()
+        q = _rand(b, hq, 1, d, seed=92 + b, device="cuda")
+        for _ in range(5):
+            out, parts = attention_forward(q, kc, vc, at, at[:, 0] + 1, d ** -0.5, kv_rows=slots,
+                                           out_dtype=torch.bfloat16, quantize=True)
+            ref = quantize_triton(out.transpose(1, 2).reshape(b, hq * d), None)
+            assert _nvfp4_equal(as_nvfp4(parts, (b, hq * d)), ref), b
+        assert not gemm.tile_counters(q.device, b)[:b].any()
+
+
+@pytest.mark.interpreter
+def test_attention_quantize_op(device):
+    """ops.attention(quantize=True): the fused decode step over a cache, and every other call (a prefill, the torch
+    backend) by `quantize` of the output as the o_proj reads it [B, Tq, Hq * D], the same bits either way; it is
+    for inference with out_dtype set, and the kernel refuses a call it cannot fuse."""
+    from minite_core.kernels.attention import attention_forward
+
+    _, _, sn = _cfg()
+    b, hq, hkv, d, t = 2, 4, 2, 16, sn + 3
+    q, k, v = _qkv(b, hq, hkv, t, d, device, seed=80)
+    pos = torch.arange(t, device=device).expand(b, t).contiguous()
+    lens = torch.full((b,), t, device=device)
+    slots = torch.arange(b, device=device)
+    full, full_q = ops.attention(q, k, v, pos, lens, backend="triton", out_dtype=torch.bfloat16, quantize=True)
+    assert tuple(full_q.shape) == (b, t, hq * d)
+    assert _nvfp4_equal(full_q, ops.quantize(full.transpose(1, 2).reshape(b, t, hq * d), backend="triton",
+                                             decoded=full_q.decoded is not None))
+    one, one_q = ops.attention(q[:, :, -1:], k, v, pos[:, -1:], lens, backend="triton", kv_rows=slots,
+                               out_dtype=torch.bfloat16, quantize=True)  # fused
+    assert torch.equal(one, full[:, :, -1:])
+    for name in ("data", "scale", "global_scale"):
+        assert torch.equal(getattr(one_q, name).view(torch.uint8) if name == "scale" else getattr(one_q, name),
+                           (getattr(full_q, name).view(torch.uint8) if name == "scale" else getattr(full_q, name))[:, -1:])
+    ref, ref_q = ops.attention(q.float(), k.float(), v.float(), pos, lens, backend="torch", out_dtype=torch.bfloat16,
+                               quantize=True)
+    assert _nvfp4_equal(ref_q, ops.quantize(ref.transpose(1, 2).reshape(b, t, hq * d), backend="torch"))
+    with pytest.raises(ValueError, match="out_dtype"):
+        ops.attention(q, k, v, pos, lens, backend="triton", quantize=True)
+    with pytest.raises(ValueError, match="one query a sequence"):
+        attention_forward(q, k, v, pos, lens, d ** -0.5, out_dtype=torch.bfloat16, quantize=True)
+
+
 @pytest.mark.interpreter
 def test_gradient_close_to_fp32_autograd(device):
     b, hq, hkv, t, d = 1, 2, 1, 11, 16
