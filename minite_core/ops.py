@@ -48,6 +48,25 @@ def resolve_backend(backend: str | None = None) -> str:
     return name
 
 
+class _NoGrad:
+    """The ctx a Function's forward gets from `_call` where autograd records nothing: it keeps nothing."""
+
+    def save_for_backward(self, *tensors) -> None:
+        pass
+
+    def mark_non_differentiable(self, *tensors) -> None:
+        pass
+
+
+def _call(fn: type[torch.autograd.Function], *args):
+    """`fn.apply(*args)`; with grad mode off (the rollout's forwards) `fn.forward` itself on a ctx that keeps
+    nothing: the same outputs without autograd's bookkeeping, ~20 µs of host time a call on this CPU (an eager
+    28-layer forward makes ~200 such calls: 4.5 of its 27-31 ms, measured with no-op kernels)."""
+    if torch.is_grad_enabled():
+        return fn.apply(*args)
+    return fn.forward(_NoGrad(), *args)
+
+
 def _check_triton_device(t: torch.Tensor, name: str) -> None:
     from .kernels.gemm import interpreting
 
@@ -330,7 +349,7 @@ def linears(
                                  xq.global_scale.reshape(-1, 1), (x.numel() // x.shape[-1], x.shape[-1]), xq.decoded)
     out_dtype = out_dtype or x.dtype
     w_tensors = [m if m is not None or isinstance(w, NVFP4Tensor) else w for w, m in zip(ws, masters)]
-    return list(_Linears.apply(x, tuple(ws), xq, out_dtype, backend, scale_mode, backward, *w_tensors, *biases))
+    return list(_call(_Linears, x, tuple(ws), xq, out_dtype, backend, scale_mode, backward, *w_tensors, *biases))
 
 
 # ------------------------------------------------------------------------------- row-local ops
@@ -367,7 +386,7 @@ def _rms_norm(x, delta, weight, eps: float, backend: str | None, quantize: bool)
         _check_triton_device(x, "x")
         if weight.device != x.device:
             raise ValueError(f"x is on {x.device} but the rms_norm weight is on {weight.device}")
-        out = RMSNormFunction.apply(x, weight, float(eps), quantize, delta,  # y[, s][, y's NVFP4 parts]
+        out = _call(RMSNormFunction, x, weight, float(eps), quantize, delta,  # y[, s][, y's NVFP4 parts]
                                     quantize and _decoded_for(x))
         out = out if isinstance(out, tuple) else (out,)
         s, q = (out[1], out[2:]) if delta is not None else (x, out[1:])
@@ -409,7 +428,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None
         _check_triton_device(gate, "gate")
         if up.device != gate.device:
             raise ValueError(f"gate is on {gate.device} but up is on {up.device}")
-        return _with_nvfp4(SiluMulFunction.apply(gate, up, quantize, quantize and _decoded_for(gate)), gate.shape, quantize)
+        return _with_nvfp4(_call(SiluMulFunction, gate, up, quantize, quantize and _decoded_for(gate)), gate.shape, quantize)
     h = reference.silu_mul(gate, up)
     return (h, nvfp4.quantize(h, check_finite=False)) if quantize else h
 
@@ -430,7 +449,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backend: str 
         from .kernels.rows import RopeFunction
 
         _check_triton_device(x, "x")
-        return RopeFunction.apply(x, cos, sin)
+        return _call(RopeFunction, x, cos, sin)
     return reference.rope(x, cos, sin)
 
 
@@ -480,7 +499,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: to
         if cache is not None:
             qo, _, qn, kn, _, _ = kernel.qk_norm_rope_forward(q, k, v, q_weight, k_weight, eps, cos, sin, cache, norm_out)
             return QKHeads(qo, None, None, qn, kn)
-        out = kernel.QKNormRopeFunction.apply(q, k, q_weight, k_weight, float(eps), cos, sin, norm_out)
+        out = _call(kernel.QKNormRopeFunction, q, k, q_weight, k_weight, float(eps), cos, sin, norm_out)
         return QKHeads(out[0], out[1], v.transpose(1, 2), *(out[2:] if norm_out else (None, None)))
     qn, kn = reference.rms_norm(q, q_weight, eps), reference.rms_norm(k, k_weight, eps)
     qr, kr = reference.rope(qn.transpose(1, 2), cos, sin), reference.rope(kn.transpose(1, 2), cos, sin)
@@ -520,7 +539,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         _check_triton_device(logits, "logits")
-        out = TokenLogprob.apply(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1), float(temperature))
+        out = _call(TokenLogprob, logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1), float(temperature))
         return out.reshape(tokens.shape)
     return log_softmax(logits, temperature, backend=backend).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
@@ -555,7 +574,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
             if torch.is_grad_enabled() and q.requires_grad:
                 raise ValueError("attention over cache rows (kv_rows) is for inference: it has no backward")
             return attention_forward(q, k, v, q_pos, kv_len, scale, kv_rows=kv_rows, out_dtype=out_dtype)
-        return AttentionFunction.apply(q, k, v, q_pos, kv_len, scale, out_dtype)
+        return _call(AttentionFunction, q, k, v, q_pos, kv_len, scale, out_dtype)
     if kv_rows is not None:
         k, v = k[kv_rows], v[kv_rows]
     out = reference.attention(q, k, v, q_pos, kv_len, scale)

@@ -705,3 +705,36 @@ def test_torch_backend_bits_do_not_depend_on_how_the_device_divides_by_a_number(
     with CudaScalarDivision():
         got = run()
     assert [name for name in want if not torch.equal(want[name], got[name])] == []
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ops_under_no_grad_give_the_grad_mode_bits(backend):
+    """With grad mode off (the rollout) the ops run their Functions' forwards without autograd (`ops._call`): the
+    bits of the same calls with grad mode on, and nothing recorded."""
+    b, t, hq, hkv, d, h = 2, 5, 4, 2, 16, 64
+    x = _rand(b, t, h, seed=90).requires_grad_(True)
+    delta = _rand(b, t, h, seed=91).requires_grad_(True)
+    nw = (1 + _rand(h, seed=92) * 0.1).requires_grad_(True)
+    w = _weights(3 * h, h, seed=93)["nvfp4-tensor"]
+    q, k = _rand(b, t, hq, d, seed=94), _rand(b, t, hkv, d, seed=95)
+    pos = torch.arange(t, device=DEVICE).expand(b, t)
+    ang = pos.float().unsqueeze(-1) * torch.rand(d // 2, generator=torch.Generator().manual_seed(96)).to(DEVICE)
+    cos, sin = torch.cat((ang, ang), -1).cos().unsqueeze(1), torch.cat((ang, ang), -1).sin().unsqueeze(1)
+
+    def run():
+        s, y, yq = ops.add_rms_norm(x, delta, nw, 1e-6, backend=backend, quantize=True)
+        g, u = ops.linears(y, [w, w], out_dtype=torch.float32, backend=backend, xq=yq, check_finite=False)
+        hm, hq_ = ops.silu_mul(g, u, backend=backend, quantize=True)
+        heads = ops.qk_norm_rope(q, k, k, nw[:d], nw[d:2 * d], 1e-6, cos, sin, backend=backend)
+        att = ops.attention(heads.q, heads.k, heads.v, pos, torch.full((b,), t, device=DEVICE), backend=backend)
+        lp = ops.token_logprobs(g.reshape(b * t, -1), torch.arange(b * t, device=DEVICE) % (3 * h), backend=backend)
+        return [s, y, yq.data, yq.scale.view(torch.uint8), g, u, hm, hq_.data, heads.q, heads.k, att, lp]
+
+    with_grad = run()
+    assert with_grad[4].grad_fn is not None
+    with torch.no_grad():
+        without = run()
+    assert all(o.grad_fn is None for o in without)
+    for i, (a, c) in enumerate(zip(with_grad, without)):
+        assert torch.equal(a.detach(), c), i
