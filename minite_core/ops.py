@@ -387,7 +387,7 @@ def _rms_norm(x, delta, weight, eps: float, backend: str | None, quantize: bool)
         if weight.device != x.device:
             raise ValueError(f"x is on {x.device} but the rms_norm weight is on {weight.device}")
         out = _call(RMSNormFunction, x, weight, float(eps), quantize, delta,  # y[, s][, y's NVFP4 parts]
-                                    quantize and _decoded_for(x))
+                    quantize and _decoded_for(x))
         out = out if isinstance(out, tuple) else (out,)
         s, q = (out[1], out[2:]) if delta is not None else (x, out[1:])
         return s, out[0], (as_nvfp4(q, tuple(x.shape)) if quantize else None)

@@ -100,9 +100,6 @@ def _finish(l, acc):
     return tl.where(l[:, None] > 0, acc / tl.where(l > 0, l, 1.0)[:, None], 0.0)
 
 
-# Sizes that differ between prefill and decode (and the position tensor, whose stride is Tq) are not
-# value-specialized, so both launches run one compiled binary. The remaining strides are multiples of
-# head_dim either way.
 @triton.jit
 def _quantize_when_last(O, sob, b, CNT, arrivals, QN, QP, QS, QGS, QD, BLOCK_Q: tl.constexpr, DBK: tl.constexpr):
     """Sequence b's output row (its QN = Hq * D values at O + b * sob, which `arrivals` programs store in parts)
@@ -120,6 +117,9 @@ def _quantize_when_last(O, sob, b, CNT, arrivals, QN, QP, QS, QGS, QD, BLOCK_Q: 
         tl.store(CNT + b, 0)
 
 
+# Sizes that differ between prefill and decode (and the position tensor, whose stride is Tq) are not
+# value-specialized, so both launches run one compiled binary. The remaining strides are multiples of
+# head_dim either way.
 @triton.jit(do_not_specialize=["QPOS", "KVLEN", "spb", "spr", "NGRP", "GPK", "ROWS", "TK", "NSPLIT", "CPS"])
 def _attention_kernel(
     Q, K, V, O, MS, LS, ACCS, QPOS, KVLEN, KVROW, CNT, QP, QS, QGS, QD,
