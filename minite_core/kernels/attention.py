@@ -62,7 +62,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .gemm import cdiv, fp4_block_k, interpreting, next_pow2, tile_counters
+from .gemm import cdiv, fp4_block_k, interpreting, last_to_arrive, next_pow2, tile_counters
 from .quantize import ONE_TILE_MAX_K, decode_buffer, nvfp4_buffers, quantize_rows
 from .rows import round_to
 
@@ -103,13 +103,10 @@ def _finish(l, acc):
 @triton.jit
 def _quantize_when_last(O, sob, b, CNT, arrivals, QN, QP, QS, QGS, QD, BLOCK_Q: tl.constexpr, DBK: tl.constexpr):
     """Sequence b's output row (its QN = Hq * D values at O + b * sob, which `arrivals` programs store in parts)
-    quantized to NVFP4 by the last of them to finish: a CTA barrier (every thread's part is stored), an acq_rel
-    arrival at GPU scope on the sequence's counter (the GEMM's split-tile pattern), then the row read back past
-    L1 and `quantize_rows` on it: the values and the arithmetic of `quantize_triton` on the stored row, so its
-    bits. The last program resets the counter: zeros between launches (a CUDA graph replays them)."""
-    tl.debug_barrier()
-    done = tl.atomic_add(CNT + b, 1, sem="acq_rel", scope="gpu")
-    if done == arrivals - 1:
+    quantized to NVFP4 by the last of them to finish (`gemm.last_to_arrive` on the sequence's counter, the GEMM's
+    split-tile pattern), the row read back past L1 and `quantize_rows` on it: the values and the arithmetic of
+    `quantize_triton` on the stored row, so its bits. The last program resets the counter to 0."""
+    if last_to_arrive(CNT, b, arrivals):
         cols = tl.arange(0, BLOCK_Q)
         v = tl.load(O + b.to(tl.int64) * sob + cols[None, :], mask=(cols < QN)[None, :], other=0.0, cache_modifier=".cg")
         rows64 = b.to(tl.int64) + tl.arange(0, 1)

@@ -398,6 +398,16 @@ def _pick(seg, v0, v1, v2, NSEG: tl.constexpr):
 
 
 @triton.jit
+def last_to_arrive(cnt_ptr, i, arrivals):
+    """True in the last of `arrivals` programs to count themselves in counter i: a CTA barrier first (every
+    thread's stores are issued before the release), then an acq_rel atomic at GPU scope, so the last program
+    sees every other program's stores (read them past L1: `.cg`). The caller resets the counter to 0 when it
+    is done, so the counters are all zero between launches (a CUDA graph replays them)."""
+    tl.debug_barrier()
+    return tl.atomic_add(cnt_ptr + i, 1, sem="acq_rel", scope="gpu") == arrivals - 1
+
+
+@triton.jit
 def _combine_kernel(
     p_ptr, ags_ptr, M, S, chunk_stride, n_total, stride_ags,
     bgs0, sg0, bias0, c0, n0, bgs1, sg1, bias1, c1, n1, bgs2, sg2, bias2, c2, n2, t1, t2,
@@ -484,9 +494,7 @@ def _gemm_kernel(
             mask = mask_m[:, None] & mask_n[None, :]
             tl.store(p + pid_k.to(tl.int64) * M * n_total, acc, mask=mask)
             if FIXUP:  # the tile's last program to finish adds the S partials in chunk order (no combine launch)
-                tl.debug_barrier()  # every thread's partial is stored before the release below
-                done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-                if done == tl.num_programs(1) - 1:
+                if last_to_arrive(cnt_ptr, pid, tl.num_programs(1)):
                     total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                     for c in range(0, tl.num_programs(1)):  # the combine kernel's additions, in the same order
                         total = total + tl.load(p + c * M * n_total, mask=mask, other=0.0, cache_modifier=".cg")
