@@ -110,6 +110,13 @@ def _decoded_for(x: torch.Tensor) -> bool:
     return decodes_activation(x.numel() // x.shape[-1] if x.shape[-1] else 0)
 
 
+def _quantize_activation(x: torch.Tensor, backend: str, scale_mode: str = "row") -> NVFP4Tensor:
+    """x's NVFP4 as the GEMMs read it (`_gemms`, the o_proj input after an unfused attention): with its
+    decoded form when per-row scaled rows meet the decoded tiles (triton)."""
+    return quantize(x, scale_mode=scale_mode, backend=backend, check_finite=False,
+                    decoded=backend == "triton" and scale_mode == "row" and _decoded_for(x))
+
+
 def quantize_weights(tensors: list, *, backend: str | None = None, decoded: bool = False,
                      dequantized: bool = False) -> list:
     """Per-tensor-scale NVFP4 of many weights (the learner's re-quantize of its masters), the same bits
@@ -165,8 +172,7 @@ def _gemms(x2: torch.Tensor, ws: list, biases: list, out_dtype, backend: str, sc
     """The forward products of 2-D x with each weight, both backends -> (outs, the quantized x or None for
     plain weights). NVFP4: x is quantized once for all the weights (unless the caller gives `xq`)."""
     if isinstance(ws[0], NVFP4Tensor) and xq is None:
-        xq = quantize(x2, scale_mode=scale_mode, backend=backend, check_finite=False,
-                      decoded=backend == "triton" and scale_mode == "row" and _decoded_for(x2))
+        xq = _quantize_activation(x2, backend, scale_mode)
     if backend == "torch":
         outs = []
         for w, bias in zip(ws, biases):
@@ -599,5 +605,4 @@ def _attention_quantized(q, k, v, q_pos, kv_len, scale: float, backend: str, kv_
                                            quantize=True, decoded=decodes_activation(b * tq))
             return out, as_nvfp4(parts, (b, tq, hq * d))
     out = attention(q, k, v, q_pos, kv_len, scale=scale, backend=backend, kv_rows=kv_rows, out_dtype=out_dtype)
-    flat = out.transpose(1, 2).reshape(b, tq, hq * d)
-    return out, quantize(flat, backend=backend, check_finite=False, decoded=backend == "triton" and _decoded_for(flat))
+    return out, _quantize_activation(out.transpose(1, 2).reshape(b, tq, hq * d), backend)
