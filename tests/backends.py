@@ -5,6 +5,7 @@ collection time, before any test module. On a CUDA machine the kernels compile f
 tests run there.
 """
 import os
+import threading
 
 import pytest
 import torch
@@ -40,3 +41,52 @@ class CudaScalarDivision(torch.overrides.TorchFunctionMode):
                 and not kwargs:
             return args[0] * (1.0 / args[1])
         return func(*args, **kwargs)
+
+
+def _interpreter_patches_the_language_once_a_launch():
+    """Triton's interpreter (3.x) patches `triton.language` for the interpreter when a kernel launches, and again
+    on every call of a `@triton.jit` helper inside it (`InterpretedFunction.__call__` -> `_patch_lang`: an
+    `inspect.getmembers` walk over the language modules each time), though the launch's patch holds until it
+    ends: ~40% of an interpreter-run GEMM test's time (test_ops' 100x224 tile-config test: 47 -> 25-29 s). Here a helper's call skips that walk when the modules it
+    sees are those its launch has patched already; anything else (another module, no launch) patches as before.
+    Only the test suite's speed changes: the patched attributes are the same objects either way. Left alone if
+    this Triton's interpreter is laid out otherwise."""
+    try:
+        from triton.runtime import interpreter as ti
+    except ImportError:
+        return
+    patch_lang, grid_call = getattr(ti, "_patch_lang", None), getattr(getattr(ti, "GridExecutor", None), "__call__", None)
+    if patch_lang is None or grid_call is None or not hasattr(ti, "_LangPatchScope"):
+        return
+    local = threading.local()  # .launches: the language modules patched by each running launch (innermost last)
+
+    langs: dict[int, set] = {}  # a module's globals -> the language modules among them
+
+    def langs_of(fn) -> set:
+        g = fn.__globals__
+        if id(g) not in langs:
+            langs[id(g)] = {id(v) for v in g.values() if v is ti.tl or v is ti.tl.core}
+        return langs[id(g)]
+
+    def patch_once(fn):
+        launches, mine = getattr(local, "launches", None), langs_of(fn)
+        if launches and launches[-1] and mine <= launches[-1]:
+            return ti._LangPatchScope()  # nothing to undo: the launch's own scope restores the language
+        if launches:
+            launches[-1] |= mine
+        return patch_lang(fn)
+
+    def launch(self, *args, **kwargs):
+        launches = local.__dict__.setdefault("launches", [])
+        launches.append(set())
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    ti._patch_lang = patch_once
+    ti.GridExecutor.__call__ = launch
+
+
+if os.environ.get("TRITON_INTERPRET") == "1" and HAS_TRITON:
+    _interpreter_patches_the_language_once_a_launch()
