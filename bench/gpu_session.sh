@@ -8,6 +8,7 @@
 # one-tile: bench/rollout.py with a decode step's quantizes on whole-row tiles (the default) and on the chunk walk.
 # attn-quant: bench/rollout.py with the o_proj input quantized in the decode attention kernel (the default) and after it.
 # launch: bench/launch_cost.py, the host's time per call of each op at tiny sizes, and (--stages) the steps of Triton's launch path.
+# TESTS_FILES overrides the GPU test files (default: every kernel and engine file, most important first);
 # ROLLOUT_ARGS / LEARNER_ARGS / GEMM_ARGS / LAUNCH_ARGS override the benchmarks' arguments, ROLLOUT_TIMEOUT / LEARNER_TIMEOUT
 # their time limits (s). A summary table comes last.
 # All of it does not fit one 600 s device call (the tests need minutes cold: Triton compiles, TESTS_WORKERS at a time):
@@ -35,11 +36,11 @@ for p in $parts; do
     # TESTS_WORKERS pytest-xdist processes (the device image has it) compile the Triton kernels in parallel
     # at the time limit pytest gets SIGINT (SIGKILL 30 s later), so it still prints the failures' tracebacks
     tests) timeout -s INT -k 30 ${TESTS_TIMEOUT:-300} python3 -m pytest -v -p no:cacheprovider -rfs --tb=short -n ${TESTS_WORKERS:-8} \
-             tests/core/test_ops.py tests/kernels/test_fp8.py tests/kernels/test_quantize.py \
+             ${TESTS_FILES:-tests/core/test_ops.py tests/kernels/test_fp8.py tests/kernels/test_quantize.py \
              tests/engine/test_rollout_equals_learner.py tests/engine/test_rollout_fast_paths.py tests/consistency/test_knobs.py \
              tests/model/test_moe.py tests/kernels/test_gemm.py tests/kernels/test_rows.py \
              tests/kernels/test_qk_norm_rope.py tests/kernels/test_attention.py \
-             tests/kernels/test_grouped_gemm.py tests/kernels/test_sample.py tests/core/test_backward.py \
+             tests/kernels/test_grouped_gemm.py tests/kernels/test_sample.py tests/core/test_backward.py} \
              > "$OUT/tests.log" 2>&1
            { grep -E "(FAILED|ERROR)" "$OUT/tests.log" | tail -20
              echo "$(grep -c " PASSED" "$OUT/tests.log") passed, $(grep -c " FAILED" "$OUT/tests.log") failed," \
