@@ -47,10 +47,10 @@ def _interpreter_patches_the_language_once_a_launch():
     """Triton's interpreter (3.x) patches `triton.language` for the interpreter when a kernel launches, and again
     on every call of a `@triton.jit` helper inside it (`InterpretedFunction.__call__` -> `_patch_lang`: an
     `inspect.getmembers` walk over the language modules each time), though the launch's patch holds until it
-    ends: ~40% of an interpreter-run GEMM test's time (test_ops' 100x224 tile-config test: 47 -> 25-29 s). Here a helper's call skips that walk when the modules it
-    sees are those its launch has patched already; anything else (another module, no launch) patches as before.
-    Only the test suite's speed changes: the patched attributes are the same objects either way. Left alone if
-    this Triton's interpreter is laid out otherwise."""
+    ends: ~40% of an interpreter-run GEMM test's time (test_ops' 100 x 224 tile-config test: 47 -> 25-29 s). Here
+    a helper's call skips that walk when the modules it sees are those its launch has patched already; anything
+    else (another module, no launch) patches as before. Only the test suite's speed changes: the patched
+    attributes are the same objects either way. Left alone if this Triton's interpreter is laid out otherwise."""
     try:
         from triton.runtime import interpreter as ti
     except ImportError:
@@ -59,7 +59,6 @@ def _interpreter_patches_the_language_once_a_launch():
     if patch_lang is None or grid_call is None or not hasattr(ti, "_LangPatchScope"):
         return
     local = threading.local()  # .launches: the language modules patched by each running launch (innermost last)
-
     langs: dict[int, set] = {}  # a module's globals -> the language modules among them
 
     def langs_of(fn) -> set:
