@@ -160,6 +160,9 @@ def up(s: UpSettings) -> int:
         return 2
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _exit_on)
+    # SIGINT raises KeyboardInterrupt even when `up` started with it ignored: a shell starts a background job
+    # (`minite up &` in a script) with SIGINT ignored, and Python then installs no handler of its own
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     model_dir = s.model_path
     if not (model_dir / "config.json").exists():
         if not s.builtin_model:

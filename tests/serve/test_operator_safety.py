@@ -175,19 +175,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _sigint_default() -> None:
-    """SIGINT as a terminal's foreground job has it: a shell starts background jobs (`pytest ... &`) with SIGINT
-    ignored, which their children inherit, and Python then installs no KeyboardInterrupt handler."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def _up(service_model, run_dir, log) -> subprocess.Popen:
     ports = [free_port() for _ in range(4)]
     p = subprocess.Popen([sys.executable, "-m", "minite_core.cli", "up", "--model-dir", str(service_model),
                           "--run-dir", str(run_dir), "--steps", "10000", "--no-prometheus", "--rollout-grpc-port",
                           str(ports[0]), "--rollout-http-port", str(ports[1]), "--learner-grpc-port", str(ports[2]),
                           "--learner-http-port", str(ports[3])], stdout=log.open("w"), stderr=subprocess.STDOUT,
-                         env=_env(), cwd=ROOT, preexec_fn=_sigint_default)
+                         env=_env(), cwd=ROOT)
     t0 = time.monotonic()
     while "training 10000 GRPO steps" not in log.read_text():
         assert p.poll() is None and time.monotonic() - t0 < 120, log.read_text()[-3000:]
