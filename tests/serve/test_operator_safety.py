@@ -176,8 +176,11 @@ def _alive(pid: int) -> bool:
 
 
 def _up(service_model, run_dir, log) -> subprocess.Popen:
+    """`minite up` started as a script's background job (`minite up &`) is: with SIGINT ignored, which Python
+    then leaves ignored unless the program says otherwise (`sh`'s trap, then exec: the pid stays up's)."""
     ports = [free_port() for _ in range(4)]
-    p = subprocess.Popen([sys.executable, "-m", "minite_core.cli", "up", "--model-dir", str(service_model),
+    p = subprocess.Popen(["/bin/sh", "-c", 'trap "" INT; exec "$0" "$@"',
+                          sys.executable, "-m", "minite_core.cli", "up", "--model-dir", str(service_model),
                           "--run-dir", str(run_dir), "--steps", "10000", "--no-prometheus", "--rollout-grpc-port",
                           str(ports[0]), "--rollout-http-port", str(ports[1]), "--learner-grpc-port", str(ports[2]),
                           "--learner-http-port", str(ports[3])], stdout=log.open("w"), stderr=subprocess.STDOUT,
