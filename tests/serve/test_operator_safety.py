@@ -176,8 +176,8 @@ def _alive(pid: int) -> bool:
 
 
 def _up(service_model, run_dir, log) -> subprocess.Popen:
-    """`minite up` started as a script's background job (`minite up &`) is: with SIGINT ignored, which Python
-    then leaves ignored unless the program says otherwise (`sh`'s trap, then exec: the pid stays up's)."""
+    """`minite up` started as a script's background job (`minite up &`) starts: with SIGINT ignored, which
+    Python leaves ignored unless the program installs a handler (`sh`'s trap, then exec: the pid stays up's)."""
     ports = [free_port() for _ in range(4)]
     p = subprocess.Popen(["/bin/sh", "-c", 'trap "" INT; exec "$0" "$@"',
                           sys.executable, "-m", "minite_core.cli", "up", "--model-dir", str(service_model),
