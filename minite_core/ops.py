@@ -215,13 +215,14 @@ class _Linears(torch.autograd.Function):
         w_tensors, biases = params[:n], params[n:]
         x2 = x.reshape(-1, x.shape[-1])
         outs, xq = _gemms(x2, list(ws), list(biases), out_dtype, backend, scale_mode, xq)
-        # the straight-through backward of an NVFP4 linear needs only Q(x); the others need x itself
-        keep_x = xq is None or bwd == "nvfp4"
-        ctx.save_for_backward(x if keep_x else None, *w_tensors)
-        # (without its decoded form, which the backward does not read: 2 bytes a value held until it runs)
-        ctx.xq = None if keep_x else xq.without_caches()
-        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        ctx.ws, ctx.bwd, ctx.has_bias, ctx.backend = ws, bwd, [b is not None for b in biases], backend
+        if not isinstance(ctx, _NoGrad):  # (a forward under no_grad keeps nothing for a backward)
+            # the straight-through backward of an NVFP4 linear needs only Q(x); the others need x itself
+            keep_x = xq is None or bwd == "nvfp4"
+            ctx.save_for_backward(x if keep_x else None, *w_tensors)
+            # (without its decoded form, which the backward does not read: 2 bytes a value held until it runs)
+            ctx.xq = None if keep_x else xq.without_caches()
+            ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+            ctx.ws, ctx.bwd, ctx.has_bias, ctx.backend = ws, bwd, [b is not None for b in biases], backend
         return tuple(out.reshape(*x.shape[:-1], w.shape[0]) for out, w in zip(outs, ws))
 
     @staticmethod
@@ -351,8 +352,9 @@ def linears(
             raise ValueError("linears: xq is the per-row NVFP4 activation of NVFP4 weights (scale_mode 'row')")
         if not isinstance(xq, NVFP4Tensor) or tuple(xq.shape) != tuple(x.shape) or not xq.per_row:
             raise ValueError(f"linears: xq must be the per-row NVFP4Tensor of x {tuple(x.shape)}")
-        xq = NVFP4Tensor.trusted(xq.data.reshape(-1, xq.data.shape[-1]), xq.scale.reshape(-1, xq.scale.shape[-1]),
-                                 xq.global_scale.reshape(-1, 1), (x.numel() // x.shape[-1], x.shape[-1]), xq.decoded)
+        if xq.data.dim() != 2:  # the GEMMs' rows
+            xq = NVFP4Tensor.trusted(xq.data.reshape(-1, xq.data.shape[-1]), xq.scale.reshape(-1, xq.scale.shape[-1]),
+                                     xq.global_scale.reshape(-1, 1), (x.numel() // x.shape[-1], x.shape[-1]), xq.decoded)
     out_dtype = out_dtype or x.dtype
     w_tensors = [m if m is not None or isinstance(w, NVFP4Tensor) else w for w, m in zip(ws, masters)]
     return list(_call(_Linears, x, tuple(ws), xq, out_dtype, backend, scale_mode, backward, *w_tensors, *biases))

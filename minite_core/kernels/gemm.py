@@ -765,8 +765,11 @@ def _tile_config(m: int, n: int, k: int, fp4: bool) -> dict:
 
 
 def _flat_gs(t: NVFP4Tensor):
-    gs = t.global_scale.reshape(-1)
-    return gs, (0 if t.global_scale.dim() == 0 else 1)
+    """t's global scale as the kernels read it (a pointer to one value or to one a row) and its row stride."""
+    gs = t.global_scale
+    if gs.dim() == 0:
+        return gs, 0
+    return (gs if gs.is_contiguous() else gs.reshape(-1)), 1
 
 
 MAX_SEGMENTS = 3  # weights per launch (q/k/v)
