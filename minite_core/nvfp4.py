@@ -128,6 +128,16 @@ class NVFP4Tensor:
         t.decoded, t.dequantized = decoded, dequantized
         return t
 
+    def rows(self) -> "NVFP4Tensor":
+        """The same codes as a 2-D [rows, K] tensor (views of the parts where they allow, else copies); the
+        decoded form, already [rows, K padded], is kept."""
+        if len(self.shape) == 2:
+            return self
+        k = self.shape[-1]
+        gs = self.global_scale if self.global_scale.dim() == 0 else self.global_scale.reshape(-1, 1)
+        return NVFP4Tensor.trusted(self.data.reshape(-1, k // 2), self.scale.reshape(-1, k // BLOCK), gs,
+                                   (self.data.numel() * 2 // k, k), self.decoded)
+
     def without_caches(self) -> "NVFP4Tensor":
         """The same codes without the decoded and dequantized forms (what a saved activation keeps)."""
         return NVFP4Tensor.trusted(self.data, self.scale, self.global_scale, self.shape)

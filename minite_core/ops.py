@@ -168,25 +168,27 @@ def _check_linear(x, w, bias, name: str = "w"):
         raise ValueError(f"bias of {name} must have shape ({wshape[0]},), got {tuple(bias.shape)}")
 
 
-def _gemms(x2: torch.Tensor, ws: list, biases: list, out_dtype, backend: str, scale_mode: str, xq=None):
-    """The forward products of 2-D x with each weight, both backends -> (outs, the quantized x or None for
-    plain weights). NVFP4: x is quantized once for all the weights (unless the caller gives `xq`)."""
+def _gemms(x: torch.Tensor, ws: list, biases: list, out_dtype, backend: str, scale_mode: str, xq=None):
+    """The forward products of x [..., K] with each weight, both backends -> (outs [..., N_w], the quantized x
+    or None for plain weights). NVFP4: x is quantized once for all the weights (unless the caller gives `xq`)."""
     if isinstance(ws[0], NVFP4Tensor) and xq is None:
-        xq = _quantize_activation(x2, backend, scale_mode)
+        xq = _quantize_activation(x, backend, scale_mode)
     if backend == "torch":
+        lead, x2 = x.shape[:-1], x.reshape(-1, x.shape[-1])
+        xq2 = xq.rows() if xq is not None else None
         outs = []
         for w, bias in zip(ws, biases):
-            out = reference.mm_nvfp4(xq, w) if xq is not None else reference.mm_plain(x2.to(w.dtype), w)
+            out = reference.mm_nvfp4(xq2, w) if xq2 is not None else reference.mm_plain(x2.to(w.dtype), w)
             if bias is not None:
                 out = out + bias.float()
-            outs.append(out.to(out_dtype))
+            outs.append(out.to(out_dtype).reshape(*lead, w.shape[0]))
         return outs, xq
     from .kernels.gemm import gemm_many_triton
 
-    _check_triton_device(x2, "x")
-    if xq is not None:
+    _check_triton_device(x, "x")
+    if xq is not None:  # (its rows as they are: the kernels read a model's [B, T, K] without a reshape)
         return gemm_many_triton(xq, ws, biases, out_dtype), xq
-    return gemm_many_triton(x2.to(ws[0].dtype).contiguous(), [w.contiguous() for w in ws], biases, out_dtype), None
+    return gemm_many_triton(x.to(ws[0].dtype).contiguous(), [w.contiguous() for w in ws], biases, out_dtype), None
 
 
 def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16, *, backend: str | None = None) -> torch.Tensor:
@@ -213,17 +215,16 @@ class _Linears(torch.autograd.Function):
         # without a master), then the n biases.
         n = len(ws)
         w_tensors, biases = params[:n], params[n:]
-        x2 = x.reshape(-1, x.shape[-1])
-        outs, xq = _gemms(x2, list(ws), list(biases), out_dtype, backend, scale_mode, xq)
+        outs, xq = _gemms(x, list(ws), list(biases), out_dtype, backend, scale_mode, xq)
         if not isinstance(ctx, _NoGrad):  # (a forward under no_grad keeps nothing for a backward)
             # the straight-through backward of an NVFP4 linear needs only Q(x); the others need x itself
             keep_x = xq is None or bwd == "nvfp4"
             ctx.save_for_backward(x if keep_x else None, *w_tensors)
-            # (without its decoded form, which the backward does not read: 2 bytes a value held until it runs)
-            ctx.xq = None if keep_x else xq.without_caches()
+            # its rows, without the decoded form, which the backward does not read (2 bytes a value held until it runs)
+            ctx.xq = None if keep_x else xq.rows().without_caches()
             ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
             ctx.ws, ctx.bwd, ctx.has_bias, ctx.backend = ws, bwd, [b is not None for b in biases], backend
-        return tuple(out.reshape(*x.shape[:-1], w.shape[0]) for out, w in zip(outs, ws))
+        return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grad_outs):
@@ -352,9 +353,6 @@ def linears(
             raise ValueError("linears: xq is the per-row NVFP4 activation of NVFP4 weights (scale_mode 'row')")
         if not isinstance(xq, NVFP4Tensor) or tuple(xq.shape) != tuple(x.shape) or not xq.per_row:
             raise ValueError(f"linears: xq must be the per-row NVFP4Tensor of x {tuple(x.shape)}")
-        if xq.data.dim() != 2:  # the GEMMs' rows
-            xq = NVFP4Tensor.trusted(xq.data.reshape(-1, xq.data.shape[-1]), xq.scale.reshape(-1, xq.scale.shape[-1]),
-                                     xq.global_scale.reshape(-1, 1), (x.numel() // x.shape[-1], x.shape[-1]), xq.decoded)
     out_dtype = out_dtype or x.dtype
     w_tensors = [m if m is not None or isinstance(w, NVFP4Tensor) else w for w, m in zip(ws, masters)]
     return list(_call(_Linears, x, tuple(ws), xq, out_dtype, backend, scale_mode, backward, *w_tensors, *biases))

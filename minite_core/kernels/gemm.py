@@ -563,16 +563,19 @@ def _decode_kernel(p_ptr, s_ptr, o_ptr, R, K, stride_p, stride_s, stride_o,
 
 
 def decode_nvfp4(t: NVFP4Tensor, block_k: int) -> torch.Tensor:
-    """fp16 [R, cdiv(K, block_k) * block_k]: code * block scale (exact in fp16) of a 2-D NVFP4 tensor, in
-    the DECODED tile's layout; the global scales are not applied (the GEMM's epilogue does that)."""
+    """fp16 [R, cdiv(K, block_k) * block_k]: code * block scale (exact in fp16) of the R rows of an NVFP4 tensor
+    [..., K] (2-D, or with contiguous parts), in the DECODED tile's layout; the global scales are not applied
+    (the GEMM's epilogue does that)."""
+    t = _evenly_strided_rows(t)
     check_decode(t.data.device, t)
-    r, k = t.shape
+    k = t.shape[-1]
+    r = t.data.numel() * 2 // k
     steps = cdiv(k, block_k)
     out = torch.empty(r, steps * block_k, dtype=torch.float16, device=t.data.device)
     if r:
         block_r = 16 if interpreting() else 64
         _decode_kernel[(cdiv(r, block_r), steps)](
-            t.data, t.scale.view(torch.uint8), out, r, k, t.data.stride(0), t.scale.stride(0), out.stride(0),
+            t.data, t.scale.view(torch.uint8), out, r, k, t.data.stride(-2), t.scale.stride(-2), out.stride(0),
             BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
     return out
 
@@ -769,7 +772,7 @@ def _flat_gs(t: NVFP4Tensor):
     gs = t.global_scale
     if gs.dim() == 0:
         return gs, 0
-    return (gs if gs.is_contiguous() else gs.reshape(-1)), 1
+    return (gs if gs.is_contiguous() else gs.reshape(-1).contiguous()), 1  # (the kernels step 1 a row)
 
 
 MAX_SEGMENTS = 3  # weights per launch (q/k/v)
@@ -781,16 +784,19 @@ def gemm_triton(x, w, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torc
 
 
 def gemm_many_triton(x, ws: list, biases: list, out_dtype: torch.dtype) -> list[torch.Tensor]:
-    """[x @ w.T (+ b) for w, b in zip(ws, biases)], each [M, N_w] in `out_dtype`, with the bits of
-    `gemm_triton(x, w, b)` for each weight, in as few launches as the weights allow: consecutive weights
-    with the same tile config (the same K chunks, so the same reduction order) and bias presence, up to
-    MAX_SEGMENTS of them, share one launch; each program still computes a tile of one weight. A decode step's q/k/v (or gate/up) projections take one launch instead of three (two), and
-    an activation decoded for the wide tiles is decoded once for all of them."""
+    """[x @ w.T (+ b) for w, b in zip(ws, biases)], each [..., N_w] in `out_dtype` for x [..., K] (its rows
+    are the M rows), with the bits of `gemm_triton(x, w, b)` for each weight, in as few launches as the weights
+    allow: consecutive weights with the same tile config (the same K chunks, so the same reduction order) and
+    bias presence, up to MAX_SEGMENTS of them, share one launch; each program still computes a tile of one
+    weight. A decode step's q/k/v (or gate/up) projections take one launch instead of three (two), and an
+    activation decoded for the wide tiles is decoded once for all of them."""
     fp4 = isinstance(ws[0], NVFP4Tensor)
+    lead, k = tuple(x.shape[:-1]), x.shape[-1]
+    x = _evenly_strided_rows(x)
     if fp4:
         check_decode(x.data.device, x, *ws)
-    m, k = x.shape
-    outs = [torch.empty(m, w.shape[0], dtype=out_dtype, device=x.device) for w in ws]
+    m = x.data.numel() * 2 // k if fp4 else x.numel() // k
+    outs = [torch.empty(lead + (w.shape[0],), dtype=out_dtype, device=x.device) for w in ws]
     if m == 0:
         return outs
     cfgs = [gemm_config(m, w.shape[0], k, fp4) for w in ws]
@@ -806,6 +812,18 @@ def gemm_many_triton(x, ws: list, biases: list, out_dtype: torch.dtype) -> list[
         if segs:
             _launch(x, xd, segs, cfgs[idx[0]], fp4)
     return outs
+
+
+def _evenly_strided_rows(x):
+    """x [..., K] (a float tensor or an NVFP4Tensor) as the kernels read its rows, row r at r * stride(-2): x
+    itself when 2-D or when its parts are contiguous (a model's [B, T, K] activations: no reshape a call), else
+    its [rows, K] form."""
+    if len(x.shape) == 2:
+        return x
+    parts = (x.data, x.scale, x.global_scale) if isinstance(x, NVFP4Tensor) else (x,)
+    if len(x.shape) > 2 and all(p.is_contiguous() for p in parts):
+        return x
+    return x.rows() if isinstance(x, NVFP4Tensor) else x.reshape(-1, x.shape[-1])
 
 
 def _weight_packed(cfg: dict, w: NVFP4Tensor) -> dict:
@@ -851,7 +869,8 @@ def _launch(x, xd, segs: list, cfg: dict, fp4: bool):
     """One launch over up to three (w, bias, out) of one config (and, for split K chunks with
     COMBINE_IN_KERNEL off, the combine kernel's); returns the GEMM kernel's compiled handle
     (bench/gemm_probe.py reads its registers and SASS)."""
-    m, k = x.shape
+    k = x.shape[-1]
+    m = (x.data.numel() * 2 if fp4 else x.numel()) // k
     cfg = dict(cfg)
     cfg.setdefault("SWAP_AB", False)
     chunks = cfg.pop("CHUNKS", 1)
@@ -882,9 +901,9 @@ def _launch(x, xd, segs: list, cfg: dict, fp4: bool):
             a_args, strides = (xd, xd, ags), (xd.stride(0), 0, s_ags, b0.stride(0), segs[0][0].scale.stride(0))
         else:
             a_args = (x.data, x.scale.view(torch.uint8), ags)
-            strides = (x.data.stride(0), x.scale.stride(0), s_ags, b0.stride(0), segs[0][0].scale.stride(0))
+            strides = (x.data.stride(-2), x.scale.stride(-2), s_ags, b0.stride(0), segs[0][0].scale.stride(0))
     else:
-        a_args, strides = (x, x, x), (x.stride(0), 0, 0, b0.stride(0), 0)
+        a_args, strides = (x, x, x), (x.stride(-2), 0, 0, b0.stride(0), 0)
     ns = [a[6] for a in seg_args]
     n_total = sum(ns)
     t1, t2, grid_n = _tile_bounds(ns, bn)
