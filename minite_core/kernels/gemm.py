@@ -76,6 +76,7 @@ position-invariant, so it is tested as on the GPU.)
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -568,8 +569,7 @@ def decode_nvfp4(t: NVFP4Tensor, block_k: int) -> torch.Tensor:
     (the GEMM's epilogue does that)."""
     t = _evenly_strided_rows(t)
     check_decode(t.data.device, t)
-    k = t.shape[-1]
-    r = t.data.numel() * 2 // k
+    r, k = math.prod(t.shape[:-1]), t.shape[-1]
     steps = cdiv(k, block_k)
     out = torch.empty(r, steps * block_k, dtype=torch.float16, device=t.data.device)
     if r:
@@ -795,7 +795,7 @@ def gemm_many_triton(x, ws: list, biases: list, out_dtype: torch.dtype) -> list[
     x = _evenly_strided_rows(x)
     if fp4:
         check_decode(x.data.device, x, *ws)
-    m = x.data.numel() * 2 // k if fp4 else x.numel() // k
+    m = math.prod(lead)
     outs = [torch.empty(lead + (w.shape[0],), dtype=out_dtype, device=x.device) for w in ws]
     if m == 0:
         return outs
@@ -869,8 +869,7 @@ def _launch(x, xd, segs: list, cfg: dict, fp4: bool):
     """One launch over up to three (w, bias, out) of one config (and, for split K chunks with
     COMBINE_IN_KERNEL off, the combine kernel's); returns the GEMM kernel's compiled handle
     (bench/gemm_probe.py reads its registers and SASS)."""
-    k = x.shape[-1]
-    m = (x.data.numel() * 2 if fp4 else x.numel()) // k
+    m, k = math.prod(x.shape[:-1]), x.shape[-1]
     cfg = dict(cfg)
     cfg.setdefault("SWAP_AB", False)
     chunks = cfg.pop("CHUNKS", 1)
