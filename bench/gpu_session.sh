@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: the GPU tests of the kernels and engines, then the benchmarks, logs under $OUT.
-#   bash bench/gpu_session.sh [tests] [rollout] [learner] [attention] [gemm] [gemm-bits] [learner-cap] [rollout-cap] [launch] [packed] [one-tile] [attn-quant]
+#   bash bench/gpu_session.sh [tests] [rollout] [learner] [attention] [gemm] [gemm-bits] [learner-cap] [rollout-cap] [launch] [packed] [one-tile] [attn-quant] [swap-bound]
 #   (default: all but gemm-bits and the caps; learner-cap / rollout-cap: MINITE_MAX_K_CHUNKS=$CAP, default 1;
 #   the engines' own cap is gemm.DEFAULT_MAX_CHUNKS = 4, CAP=64 gives the uncapped S of before 2026-12-06)
 # gemm-bits: bench/gemm.py again with the element-wise FP4 decode (MINITE_FP4_DECODE=bits), for the word decode's gain.
@@ -80,6 +80,14 @@ attention.FUSE_QUANTIZE = $fuse; sys.argv[0] = 'bench/rollout.py'; runpy.run_pat
                 ${ATTN_QUANT_ARGS:---configs 0.6b,1.7b --batches 16,64 --repeats 2 --peers minite-nvfp4} 2>&1 \
                 | tee "$OUT/rollout_attn_quant_$fuse.txt" | grep -E "^(0.6b|1.7b|moe) " | sed "s/^/FUSE_QUANTIZE=$fuse: /"
             done ;;
+    # a decode step of more than 128 sequences on the swapped tiles (gemm.SWAP_MAX_M raised to $SB, default 512: 128-row
+    # tiles that read the packed weights) or on the wide tiles that decode them (the default bound, 128): same bits
+    swap-bound) for sb in 128 ${SB:-512}; do
+              timeout ${ROLLOUT_TIMEOUT:-420} python3 -c "import runpy, sys; from minite_core.kernels import gemm
+gemm.SWAP_MAX_M = $sb; sys.argv[0] = 'bench/rollout.py'; runpy.run_path('bench/rollout.py', run_name='__main__')" \
+                ${SWAP_BOUND_ARGS:---configs 0.6b,1.7b --batches 256 --repeats 2 --peers minite-nvfp4,minite-bf16} 2>&1 \
+                | tee "$OUT/rollout_swap_$sb.txt" | grep -E "^(0.6b|1.7b|moe) " | sed "s/^/SWAP_MAX_M=$sb: /"
+            done ;;
     attention) timeout 120 python3 bench/attention.py 2>&1 | tee "$OUT/attention.txt" | tail -20 ;;
     launch) timeout 150 python3 bench/launch_cost.py ${LAUNCH_ARGS:---stages} 2>&1 | tee "$OUT/launch.txt" | tail -20 ;;
     gemm) timeout 240 python3 bench/gemm.py ${GEMM_ARGS:---quick --chunks 1,2,4} --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.txt" | tail -40 ;;
@@ -99,6 +107,8 @@ echo "== summary"
 [ -f "$OUT/rollout.txt" ] && grep -E 'minite-nvfp4 / ' "$OUT/rollout.txt" | sed 's/^/rollout:  /'
 for f in "$OUT"/rollout_packed_*.txt; do [ -f "$f" ] && grep -E 'minite-nvfp4 / |prefill' "$f" | grep -v '^ *$' \
   | sed "s/^/rollout, MINITE_WIDE_PACKED_MAX_M=$(basename "$f" .txt | sed 's/rollout_packed_//'): /"; done
+for f in "$OUT"/rollout_swap_*.txt; do [ -f "$f" ] && grep -E 'minite-nvfp4 / |^(0.6b|1.7b) +minite-(nvfp4|bf16) +b' "$f" \
+  | sed "s/^/rollout, SWAP_MAX_M=$(basename "$f" .txt | sed 's/rollout_swap_//'): /"; done
 [ -f "$OUT/learner_cap.txt" ] && grep -E '^NVFP4 / BF16' "$OUT/learner_cap.txt" | sed "s/^/learner, S <= ${CAP:-1}: /"
 [ -f "$OUT/rollout_cap.txt" ] && grep -E 'minite-nvfp4 / ' "$OUT/rollout_cap.txt" | sed "s/^/rollout, S <= ${CAP:-1}: /"
 [ -f "$OUT/gemm.txt" ] && grep -E '^ *[0-9]+ +[0-9]+ +(1|16|64|4096) ' "$OUT/gemm.txt" | awk -F'|' '{print "gemm:     N K M S =" $1 "w4a4 vs bf16 =" $(NF-1)}'

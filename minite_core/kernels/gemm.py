@@ -590,7 +590,7 @@ SMALL_M_TILES = True
 # chain over K for every M, so the same bits), where 128x128 tiles did 8x the MMA work at M = 16 and gave
 # N = 1024 eight programs. False: 128x128 for every M.
 SMALL_M_PLAIN = True
-SWAP_MAX_M = 128
+SWAP_MAX_M = 128  # (raised, more rows take several 128-row swapped tiles: same bits; bench/gpu_session.sh swap-bound)
 SWAP_CONFIGS = {  # BLOCK_M (the swapped MMA's N) -> the rest of the tile; BLOCK_K is fixed below
     16: dict(BLOCK_N=64, num_warps=4, num_stages=4),
     32: dict(BLOCK_N=64, num_warps=4, num_stages=4),
@@ -661,8 +661,9 @@ def fp4_block_k() -> int:
 
 
 def swap_block_m(m: int) -> int:
-    """The swapped tile's BLOCK_M for M rows: 16, 32, 64 or 128."""
-    return max(16, next_pow2(max(m, 1)))
+    """The swapped tile's BLOCK_M for M rows: 16, 32, 64 or 128, the narrowest power of two >= M (more than 128
+    rows, with SWAP_MAX_M raised: tiles of 128 rows)."""
+    return min(128, max(16, next_pow2(max(m, 1))))
 
 
 # K chunks: the K loop is cut into S chunks of equal step count, S from (N, K) alone (`k_chunks`). Within a
@@ -720,7 +721,7 @@ def gemm_config(m: int, n: int, k: int, fp4: bool) -> dict:
     each call): it runs for every weight of every linear call, and computing it took ~25 µs of host time
     (`triton.cdiv` was a ~2 µs call), which a host-bound learner forward pays. The key holds every setting it
     reads, so the benchmarks and tests that change one get the configs of the new value."""
-    key = (m, n, k, fp4, interpreting(), SMALL_M_TILES, SMALL_M_PLAIN, DECODE_WIDE, DECODE_X_MIN_M, SPLIT_K,
+    key = (m, n, k, fp4, interpreting(), SMALL_M_TILES, SMALL_M_PLAIN, SWAP_MAX_M, DECODE_WIDE, DECODE_X_MIN_M, SPLIT_K,
            CHUNKS_OVERRIDE, MAX_CHUNKS, id(CONFIG_OVERRIDE), id(DECODED_TILE))
     cfg = _CONFIGS.get(key)
     if cfg is None:

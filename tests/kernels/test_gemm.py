@@ -114,6 +114,26 @@ def test_rows_of_more_dims_read_in_place_or_reshaped_have_the_bits_of_2d_rows(m)
             assert torch.equal(out3.reshape(out2.shape), out2)
 
 
+@pytest.mark.parametrize("mode", ["tensor", "row"])
+def test_swapped_tiles_over_several_row_tiles_have_the_bits_of_the_default_tiles(monkeypatch, mode):
+    """SWAP_MAX_M raised above 128 (a decode step of more sequences on the swapped tiles that read the packed
+    weight, instead of the wide tiles that decode it): the rows go in 128-row swapped tiles, and every output
+    has the bits of the default configs' (the wide tiles at this M), for NVFP4 and bf16 weights."""
+    m = 300
+    ws = _weights(WIDTHS, mode, seed=90)
+    plain = [(_rand(n, K, seed=95 + i) * 0.1).to(torch.bfloat16) for i, n in enumerate(WIDTHS)]
+    xq, x = nvfp4.quantize(_rand(m, K, seed=9)), _rand(m, K, seed=9).to(torch.bfloat16)
+    wide = gemm.gemm_many_triton(xq, ws, [None] * 3, torch.float32), gemm.gemm_many_triton(x, plain, [None] * 3, torch.float32)
+    monkeypatch.setattr(gemm, "SWAP_MAX_M", 512)
+    for fp4 in (True, False):
+        cfg = gemm.gemm_config(m, WIDTHS[0], K, fp4)
+        assert cfg["SWAP_AB"] and cfg["BLOCK_M"] <= 128, cfg  # (several row tiles)
+    swapped = gemm.gemm_many_triton(xq, ws, [None] * 3, torch.float32), gemm.gemm_many_triton(x, plain, [None] * 3, torch.float32)
+    for a, b in zip(wide[0] + wide[1], swapped[0] + swapped[1]):
+        assert torch.equal(a, b)
+    assert not gemm.tile_counters(xq.device, 1).any()  # the split tiles' arrival counters back at zero
+
+
 def test_empty_rows_and_empty_weights():
     ws = _weights((WIDTHS[1], 0, WIDTHS[2]), seed=60)
     xq = nvfp4.quantize(_rand(MS[1], K, seed=7))
