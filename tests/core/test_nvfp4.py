@@ -184,6 +184,21 @@ def test_three_dim_row_and_tensor(mode):
     assert_bits_equal(q.data.reshape(10, 24), d)
 
 
+@pytest.mark.parametrize("mode", ["tensor", "row"])
+def test_rows_are_the_same_codes_as_a_2d_tensor(mode):
+    """`NVFP4Tensor.rows()`: a [B, T, K] tensor as [B * T, K], each row's codes, scales and global scale those of
+    quantizing that row alone; also for a strided slice of the positions (copied where a view cannot do)."""
+    x = varied(2 * 5, 48, torch.float32, seed=10).view(2, 5, 48)
+    q = quantize(x, scale_mode=mode)
+    r = q.rows()
+    NVFP4Tensor(r.data, r.scale, r.global_scale, r.shape)  # the constructor's checks hold
+    assert r.shape == (10, 48) and r.rows() is r
+    assert torch.equal(r.dequantize(), q.dequantize().reshape(10, 48))
+    part = NVFP4Tensor(q.data[:, 1:4:2], q.scale[:, 1:4:2],
+                       q.global_scale if mode == "tensor" else q.global_scale[:, 1:4:2], (2, 2, 48))
+    assert torch.equal(part.rows().dequantize(), q.dequantize()[:, 1:4:2].reshape(4, 48))
+
+
 def test_non_contiguous_input():
     w = varied(48, 64, torch.float32, seed=13)
     wt = w.T  # [64, 48], non-contiguous
