@@ -73,6 +73,20 @@ def host_times(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def rollout_forwards_host(layers: int, precision: str, batch: int = 16, prompt: int = 16, repeats: int = 5,
+                          fns: dict | None = None) -> dict:
+    """-> {"prefill" / "decode": (median host seconds, Counter of launches)} (see the module docstring); `fns`:
+    the forwards to time (default: `forwards(...)` of these arguments)."""
+    fns = fns or forwards(layers, precision, batch, prompt)
+    out = {}
+    for name, fn in fns.items():
+        sec = host_times(fn, repeats)
+        with Launches(run_kernels=False) as mode:  # (counting costs host time: not timed)
+            fn()
+        out[name] = (sec, mode.counts)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=28)
@@ -88,12 +102,9 @@ def main():
     fns = {}
     for precision in ("bf16", "nvfp4"):
         fns[precision] = forwards(args.layers, precision, args.batch, args.prompt)
-        for name, fn in fns[precision].items():
-            sec = host_times(fn, args.repeats)
-            with Launches(run_kernels=False) as mode:
-                fn()
-            tri = sum(v for k, v in mode.counts.items() if k.startswith("triton "))
-            aten = sum(v for k, v in mode.counts.items() if k.startswith("aten "))
+        for name, (sec, c) in rollout_forwards_host(args.layers, precision, repeats=args.repeats, fns=fns[precision]).items():
+            tri = sum(v for k, v in c.items() if k.startswith("triton "))
+            aten = sum(v for k, v in c.items() if k.startswith("aten "))
             print(f"{precision:9s} | {name:7s} | {sec * 1e3:8.1f} | {tri:6d} | {aten:5d}")
     if args.cprofile:
         prof = cProfile.Profile()

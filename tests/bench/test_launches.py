@@ -60,3 +60,24 @@ def test_a_learner_layer_launches_its_kernels_once_and_requantize_launches_one(p
         assert triton(one[phase][1]) - triton(two[phase][1]) == Counter(), phase
     requant = {k: v for k, v in two["requantize"][1].items() if k.startswith("triton ")}
     assert requant == ({"triton _quantize_many_kernel": 1} if precision == "nvfp4" else {}), requant
+
+
+@pytest.mark.parametrize("precision", ["nvfp4", "bf16"])
+def test_a_rollout_prefill_layer_launches_the_decode_layers_kernels_and_nvfp4_one_quantize_more(precision):
+    """bench/rollout_host.py's eager forwards (the engine's, over a KV cache): a decode layer launches the decode
+    design's kernels (LAYER); a prefill layer the same but the attention's combine (its prompt spans two query
+    tiles: the tile launch, no split over the keys), and in NVFP4 one more, the o_proj input's quantize (the
+    attention fuses it only for a decode step's single query)."""
+    from bench.rollout_host import rollout_forwards_host
+
+    one, two = (rollout_forwards_host(n, precision, batch=2, prompt=20, repeats=1) for n in (1, 2))
+
+    def layer(phase):
+        triton = lambda c: Counter({k: v for k, v in c.items() if k.startswith("triton ")})  # noqa: E731
+        a, b = triton(one[phase][1]), triton(two[phase][1])
+        assert a - b == Counter(), phase
+        return b - a
+
+    assert layer("decode") == LAYER[precision]
+    prefill = LAYER[precision] - Counter({"triton _combine_kernel": 1})
+    assert layer("prefill") == prefill + (Counter({"triton _quantize_kernel": 1}) if precision == "nvfp4" else Counter())
