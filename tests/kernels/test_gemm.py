@@ -99,16 +99,14 @@ def test_rows_of_more_dims_read_in_place_or_reshaped_have_the_bits_of_2d_rows(m)
     2-D x, the outputs [B, T, N]."""
     x = _rand(m, 2, K, seed=8)
     ws = _weights(WIDTHS, "row", seed=70)
-    for rows3, rows2 in ((x, x.reshape(-1, K)), (x[:, :1], x[:, 0])):  # contiguous / strided positions
-        q3, q2 = nvfp4.quantize(rows3), nvfp4.quantize(rows2)
-        if rows3 is not x:  # a view of the codes with gaps between its rows: not evenly strided
-            q3 = nvfp4.quantize(x)
-            q3 = nvfp4.NVFP4Tensor(q3.data[:, :1], q3.scale[:, :1], q3.global_scale[:, :1], (m, 1, K))
+    plain = [(_rand(n, K, seed=80 + i) * 0.1).to(torch.bfloat16) for i, n in enumerate(WIDTHS[:2])]
+    qx = nvfp4.quantize(x)
+    strided = nvfp4.NVFP4Tensor(qx.data[:, :1], qx.scale[:, :1], qx.global_scale[:, :1], (m, 1, K))  # gaps between rows
+    for rows3, q3, rows2 in ((x, qx, x.reshape(-1, K)), (x[:, :1], strided, x[:, 0])):  # contiguous / strided positions
         for w, out3, out2 in zip(ws, gemm.gemm_many_triton(q3, ws, [None] * 3, torch.float32),
-                                 gemm.gemm_many_triton(q2, ws, [None] * 3, torch.float32)):
+                                 gemm.gemm_many_triton(nvfp4.quantize(rows2), ws, [None] * 3, torch.float32)):
             assert out3.shape == tuple(rows3.shape[:-1]) + (w.shape[0],)
             assert torch.equal(out3.reshape(out2.shape), out2)
-        plain = [(_rand(n, K, seed=80 + i) * 0.1).to(torch.bfloat16) for i, n in enumerate(WIDTHS[:2])]
         for out3, out2 in zip(gemm.gemm_many_triton(rows3.to(torch.bfloat16), plain, [None] * 2, torch.float32),
                               gemm.gemm_many_triton(rows2.to(torch.bfloat16), plain, [None] * 2, torch.float32)):
             assert torch.equal(out3.reshape(out2.shape), out2)
