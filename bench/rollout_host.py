@@ -73,11 +73,9 @@ def host_times(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def rollout_forwards_host(layers: int, precision: str, batch: int = 16, prompt: int = 16, repeats: int = 5,
-                          fns: dict | None = None) -> dict:
-    """-> {"prefill" / "decode": (median host seconds, Counter of launches)} (see the module docstring); `fns`:
-    the forwards to time (default: `forwards(...)` of these arguments)."""
-    fns = fns or forwards(layers, precision, batch, prompt)
+def rollout_forwards_host(fns: dict, repeats: int = 5) -> dict:
+    """`forwards(...)` -> {"prefill" / "decode": (median host seconds, Counter of launches)} (see the module
+    docstring)."""
     out = {}
     for name, fn in fns.items():
         sec = host_times(fn, repeats)
@@ -102,7 +100,7 @@ def main():
     fns = {}
     for precision in ("bf16", "nvfp4"):
         fns[precision] = forwards(args.layers, precision, args.batch, args.prompt)
-        for name, (sec, c) in rollout_forwards_host(args.layers, precision, repeats=args.repeats, fns=fns[precision]).items():
+        for name, (sec, c) in rollout_forwards_host(fns[precision], args.repeats).items():
             tri = sum(v for k, v in c.items() if k.startswith("triton "))
             aten = sum(v for k, v in c.items() if k.startswith("aten "))
             print(f"{precision:9s} | {name:7s} | {sec * 1e3:8.1f} | {tri:6d} | {aten:5d}")

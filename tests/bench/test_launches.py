@@ -68,9 +68,9 @@ def test_a_rollout_prefill_layer_launches_the_decode_layers_kernels_and_nvfp4_on
     design's kernels (LAYER); a prefill layer the same but the attention's combine (its prompt spans two query
     tiles: the tile launch, no split over the keys), and in NVFP4 one more, the o_proj input's quantize (the
     attention fuses it only for a decode step's single query)."""
-    from bench.rollout_host import rollout_forwards_host
+    from bench.rollout_host import forwards, rollout_forwards_host
 
-    one, two = (rollout_forwards_host(n, precision, batch=2, prompt=20, repeats=1) for n in (1, 2))
+    one, two = (rollout_forwards_host(forwards(n, precision, batch=2, prompt=20), repeats=1) for n in (1, 2))
 
     def layer(phase):
         triton = lambda c: Counter({k: v for k, v in c.items() if k.startswith("triton ")})  # noqa: E731
