@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: the GPU tests of the kernels and engines, then the benchmarks, logs under $OUT.
-#   bash bench/gpu_session.sh [tests] [rollout] [learner] [attention] [gemm] [gemm-bits] [learner-cap] [rollout-cap] [launch] [packed] [one-tile] [attn-quant] [swap-bound]
+#   bash bench/gpu_session.sh [tests] [rollout] [learner] [attention] [gemm] [gemm-bits] [learner-cap] [rollout-cap] [launch] [packed] [one-tile] [attn-quant] [swap-bound] [overlap]
 #   (default: all but gemm-bits and the caps; learner-cap / rollout-cap: MINITE_MAX_K_CHUNKS=$CAP, default 1;
 #   the engines' own cap is gemm.DEFAULT_MAX_CHUNKS = 4, CAP=64 gives the uncapped S of before 2026-12-06)
 # gemm-bits: bench/gemm.py again with the element-wise FP4 decode (MINITE_FP4_DECODE=bits), for the word decode's gain.
@@ -37,7 +37,7 @@ for p in $parts; do
     # at the time limit pytest gets SIGINT (SIGKILL 30 s later), so it still prints the failures' tracebacks
     tests) timeout -s INT -k 30 ${TESTS_TIMEOUT:-300} python3 -m pytest -v -p no:cacheprovider -rfs --tb=short -n ${TESTS_WORKERS:-8} \
              ${TESTS_FILES:-tests/core/test_ops.py tests/kernels/test_fp8.py tests/kernels/test_quantize.py \
-             tests/engine/test_rollout_equals_learner.py tests/engine/test_rollout_fast_paths.py tests/consistency/test_knobs.py \
+             tests/engine/test_rollout_equals_learner.py tests/engine/test_rollout_fast_paths.py tests/engine/test_scheduler.py tests/consistency/test_knobs.py \
              tests/model/test_moe.py tests/kernels/test_gemm.py tests/kernels/test_rows.py \
              tests/kernels/test_qk_norm_rope.py tests/kernels/test_attention.py \
              tests/kernels/test_grouped_gemm.py tests/kernels/test_sample.py tests/core/test_backward.py} \
@@ -79,6 +79,14 @@ quantize.ONE_TILE_MAX_ROWS = $rows; sys.argv[0] = 'bench/rollout.py'; runpy.run_
 attention.FUSE_QUANTIZE = $fuse; sys.argv[0] = 'bench/rollout.py'; runpy.run_path('bench/rollout.py', run_name='__main__')" \
                 ${ATTN_QUANT_ARGS:---configs 0.6b,1.7b --batches 16,64 --repeats 2 --peers minite-nvfp4} 2>&1 \
                 | tee "$OUT/rollout_attn_quant_$fuse.txt" | grep -E "^(0.6b|1.7b|moe) " | sed "s/^/FUSE_QUANTIZE=$fuse: /"
+            done ;;
+    # the decode step launched before the host reads the last step's tokens (engine/rollout.OVERLAP, the default on CUDA)
+    # or after it (one host round trip a step with the GPU idle): the same rollout run both ways (same tokens either way)
+    overlap) for on in True False; do
+              timeout ${ROLLOUT_TIMEOUT:-420} python3 -c "import runpy, sys; from minite_core.engine import rollout
+rollout.OVERLAP = $on; sys.argv[0] = 'bench/rollout.py'; runpy.run_path('bench/rollout.py', run_name='__main__')" \
+                ${OVERLAP_ARGS:---configs 0.6b,1.7b --batches 16,64 --repeats 2 --peers minite-nvfp4,minite-bf16} 2>&1 \
+                | tee "$OUT/rollout_overlap_$on.txt" | grep -E "^(0.6b|1.7b|moe) " | sed "s/^/OVERLAP=$on: /"
             done ;;
     # a decode step of more than 128 sequences on the swapped tiles (gemm.SWAP_MAX_M raised to $SB, default 512: 128-row
     # tiles that read the packed weights) or on the wide tiles that decode them (the default bound, 128): same bits

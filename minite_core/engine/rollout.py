@@ -26,7 +26,8 @@ a seeded request gives the same tokens whatever runs beside it.
 Speed: sequences that join in the same step are prefilled together (right-padded; positions beyond a
 prompt write cache entries that no query of the sequence reads before its decode step overwrites
 them), and on CUDA the decode step of the newest weight version replays a captured CUDA graph
-(`graphs`). Each step synchronizes with the host once, to read the sampled tokens.
+(`graphs`). Each step synchronizes with the host once, to read the sampled tokens; on CUDA the host reads
+them while the device runs the next step, whose input ids it takes from them on the device (`OVERLAP`).
 Because every op of the model is batch-invariant and decode == prefill, these logprobs equal, bit for
 bit, those `Learner.logprobs` computes from the full sequence.
 """
@@ -48,6 +49,12 @@ FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = "stop", "length", "abort"
 
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3  # beyond these, logits / T overflow or flatten to nothing
 MAX_TOP_LOGPROBS = 20  # alternatives per token (as vLLM and OpenAI allow)
+# Overlapped decode (the default on CUDA): a decode step is launched before the host reads the previous step's
+# tokens, its input ids taken from them on the device, so the GPU runs step t + 1 while the host appends step t's
+# tokens, checks stops and calls back. A sequence that stops on a token the host had not read yet (a stop id, a
+# client's stop string, a cancel) has had one more token computed for it, which is dropped (its cache write lies
+# past what any later owner of the slot reads before writing). The same tokens and bits as step by step.
+OVERLAP = True
 
 
 def check_temperature(t) -> float:
@@ -108,6 +115,7 @@ class _Seq:
     top: list = dataclasses.field(default_factory=list)  # per token: [(id, logprob), ...] (params.logprobs > 0)
     slot: int = -1
     finish: str | None = None
+    ahead: int = 0  # tokens drawn on the device that the host has not read yet (0 or 1: see `_Step`)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -136,6 +144,19 @@ class Request:
         return [Completion(self.prompt, q.tokens, torch.tensor(q.logprobs, dtype=torch.float32),
                            q.finish, self.version, self.index, q.sample_index,
                            list(q.top) if self.params.logprobs else None) for q in self.seqs]
+
+
+@dataclasses.dataclass(eq=False)
+class _Step:
+    """Tokens drawn on the device for `seqs` that the host has not read yet: `tokens` [b] int64 on the device
+    (the next decode step's input ids), `drawn` float64 [2, b] (tokens, logprobs), on the host once `ready` has
+    completed (a CUDA event; None on the CPU, where the copy is done at once), `tops` the top alternatives by
+    row (computed at once: they sync)."""
+    seqs: list
+    tokens: torch.Tensor
+    drawn: torch.Tensor
+    ready: object = None
+    tops: dict = dataclasses.field(default_factory=dict)
 
 
 def _available_bytes(device: torch.device) -> int | None:
@@ -168,7 +189,7 @@ class RolloutEngine:
     PREFILL_TOKENS = 16384  # at most this many (padded) prompt tokens per prefill forward
 
     def __init__(self, model: Qwen3, *, max_slots: int = 16, max_seq_len: int | None = None,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, overlap: bool | None = None):
         self.model = model
         self.max_seq_len = max_seq_len or min(model.cfg.max_position_embeddings, 4096)
         if max_slots < 1 or self.max_seq_len < 2:
@@ -188,6 +209,8 @@ class RolloutEngine:
             raise ValueError("cuda_graphs: this model's MoE layers take the per-expert loop (host syncs, not "
                              "capturable); the grouped path needs backend='triton' and NVFP4 experts")
         self.graphs = DecodeGraphs(model, self.cache, max_slots, scratch_slot=max_slots) if cuda_graphs else None
+        self.overlap = (OVERLAP and model.device.type == "cuda") if overlap is None else overlap
+        self._pending: _Step | None = None  # the decode step in flight whose tokens the host reads next (overlap)
         self._version = 0
         self.waiting: collections.deque[_Seq] = collections.deque()
         self.running: list[_Seq] = []
@@ -315,17 +338,38 @@ class RolloutEngine:
         return [c for r in reqs for c in r.completions()]
 
     # -- the scheduler --------------------------------------------------------------------------
-    def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
-        """Draw every sequence's next token from its logits row [len(seqs), V] (one host sync), append it."""
-        rows = [(q.params.temperature, q.params.top_k, q.params.top_p, q.seed_key, len(q.tokens)) for q in seqs]
+    def _draw(self, seqs: list[_Seq], logits: torch.Tensor) -> _Step:
+        """Draw every sequence's next token from its logits row [len(seqs), V] on the device; the host reads
+        them with `_read` (one sync). A sequence's draw is indexed by its token count, counting a token drawn
+        ahead (`_Seq.ahead`) that the host has not read yet."""
+        rows = [(q.params.temperature, q.params.top_k, q.params.top_p, q.seed_key, len(q.tokens) + q.ahead)
+                for q in seqs]
         tokens, logprobs = sample_batch(logits, rows, self.model.backend)
-        both = torch.stack([tokens.double(), logprobs.double()]).tolist()  # one sync; fp32 -> fp64 is exact
+        both = torch.stack([tokens.double(), logprobs.double()])  # fp32 -> fp64 is exact
+        ready = None
+        if both.is_cuda:  # (into pinned memory; the event marks the copy's end)
+            both = both.to("cpu", non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
         wants = [i for i, q in enumerate(seqs) if q.params.logprobs]
-        if wants:  # (a second sync, only for requests that asked for alternatives)
-            for i, top in zip(wants, top_alternatives(logits, wants, [seqs[i].params for i in wants], self.model.backend)):
-                seqs[i].top.append(top)
-        for q, tok, lp in zip(seqs, both[0], both[1]):
-            self._append(q, int(tok), lp)
+        tops = {}
+        if wants:  # (a sync of its own, only for requests that asked for alternatives)
+            tops = dict(zip(wants, top_alternatives(logits, wants, [seqs[i].params for i in wants], self.model.backend)))
+        for q in seqs:
+            q.ahead += 1
+        return _Step(seqs, tokens, both, ready, tops)
+
+    def _read(self, step: _Step) -> None:
+        """Wait for a draw's tokens and append them, except to sequences that ended meanwhile."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        drawn = step.drawn.tolist()
+        for i, (q, tok, lp) in enumerate(zip(step.seqs, drawn[0], drawn[1])):
+            q.ahead -= 1
+            if not q.finish:
+                if i in step.tops:
+                    q.top.append(step.tops[i])
+                self._append(q, int(tok), lp)
 
     def _append(self, seq: _Seq, tok: int, lp: float) -> None:
         seq.tokens.append(tok)
@@ -395,13 +439,23 @@ class RolloutEngine:
             else:  # diagnostics see every prompt row
                 logits = self._forward(group, ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True), capture,
                                        [len(q.prompt) for q in group])[torch.arange(len(group), device=dev), last]
-            self._sample(group, logits)
+            self._read(self._draw(group, logits))
             lo = hi
 
-    def _decode(self, seqs: list[_Seq], capture) -> None:
+    def _decode(self, seqs: list[_Seq], capture, ahead: _Step | None = None) -> _Step:
+        """Launch one decode step for `seqs` and draw their next tokens (read them with `_read`). `ahead`: the
+        step in flight that drew every one of seqs' last tokens, whose host copy is not read yet: the input ids
+        are taken from it on the device."""
         dev = self.model.device
-        ids = torch.tensor([[q.tokens[-1]] for q in seqs]).to(dev, non_blocking=True)
-        pos = torch.tensor([[len(q.prompt) + len(q.tokens) - 1] for q in seqs]).to(dev, non_blocking=True)
+        if ahead is None:
+            ids = torch.tensor([[q.tokens[-1]] for q in seqs]).to(dev, non_blocking=True)
+        elif len(ahead.seqs) == len(seqs) and all(a is q for a, q in zip(ahead.seqs, seqs)):
+            ids = ahead.tokens.view(-1, 1)
+        else:  # (some of ahead's sequences have ended)
+            row = {id(q): i for i, q in enumerate(ahead.seqs)}
+            index = torch.tensor([row[id(q)] for q in seqs]).to(dev, non_blocking=True)
+            ids = ahead.tokens.index_select(0, index).view(-1, 1)
+        pos = torch.tensor([[len(q.prompt) + len(q.tokens) + q.ahead - 1] for q in seqs]).to(dev, non_blocking=True)
         req = seqs[0].request
         if self.graphs is not None and capture is None and req.version == self._version:
             self.graphs.load(req.weights, req.version)
@@ -409,7 +463,12 @@ class RolloutEngine:
             logits = self.graphs.run(ids, pos, slots)
         else:
             logits = self._forward(seqs, ids, pos, capture)[:, 0]
-        self._sample(seqs, logits)
+        return self._draw(seqs, logits)
+
+    def _ends_by_length(self, q: _Seq) -> bool:
+        """Whether q's tokens, once those drawn ahead are read, reach its max_tokens or the context."""
+        n = len(q.tokens) + q.ahead
+        return n >= q.params.max_tokens or len(q.prompt) + n >= self.max_seq_len
 
     @torch.no_grad()
     def step(self, capture=None) -> None:
@@ -426,9 +485,31 @@ class RolloutEngine:
         self._reap()
         if self.waiting and self.free:
             return  # let waiting sequences join before the next decode step
+        groups = self._groups()
+        ahead, self._pending = self._pending, None
+        overlap = self.overlap and capture is None and len(groups) == 1
+        if ahead is not None and not (overlap and all(q.ahead for q in self.running)):
+            self._read(ahead)  # (sequences joined, versions differ, or a capture: this step's ids from the host)
+            ahead = None
+            self._reap()
+            groups = self._groups()
+            overlap = overlap and len(groups) == 1
+        if overlap:  # launch this step, then read the previous one while the device runs it
+            seqs = [q for q in next(iter(groups.values())) if not self._ends_by_length(q)]
+            self._pending = self._decode(seqs, None, ahead) if seqs else None
+            if ahead is not None:
+                self._read(ahead)
+        else:
+            for seqs in groups.values():
+                self._read(self._decode(seqs, capture))
+        self._reap()
+        if not self.running and self._pending is not None:  # every sequence ended: drop the step in flight
+            self._read(self._pending)
+            self._pending = None
+
+    def _groups(self) -> dict[int, list[_Seq]]:
+        """The running sequences by weight version (each version decodes in its own forward)."""
         groups: dict[int, list[_Seq]] = {}
         for q in self.running:
             groups.setdefault(q.request.version, []).append(q)
-        for seqs in groups.values():
-            self._decode(seqs, capture)
-        self._reap()
+        return groups

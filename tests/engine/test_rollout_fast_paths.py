@@ -1,6 +1,7 @@
 """The rollout engine's fast paths change no bit: batched prefill (right-padded, mixed prompt lengths)
-and CUDA-graph decode (padded batch buckets, weights copied in place on a sync) give the tokens and
-logprobs of the plain path, and those equal the learner's."""
+and CUDA-graph decode (padded batch buckets, weights copied in place on a sync, each step launched before
+the host reads the last one's tokens) give the tokens and logprobs of the plain path, and those equal the
+learner's."""
 import pytest
 import torch
 from tests.backends import DEVICE, HAS_CUDA, HAS_TRITON
@@ -85,8 +86,9 @@ def test_graph_decode_equals_eager_and_survives_a_weight_sync(ckpt, precision):
     model = load_model(ckpt, precision=precision, backend="triton", device="cuda")
     prompts = _prompts(11, seed=3)
     params = [SamplingParams(max_tokens=4 + i % 9, temperature=[1.0, 0.0, 0.7][i % 3], seed=i) for i in range(11)]
-    eager = RolloutEngine(model, max_slots=6, max_seq_len=48, cuda_graphs=False).generate(prompts, params)
-    graphed_engine = RolloutEngine(model, max_slots=6, max_seq_len=48, cuda_graphs=True)
+    eager = RolloutEngine(model, max_slots=6, max_seq_len=48, cuda_graphs=False, overlap=False).generate(prompts, params)
+    graphed_engine = RolloutEngine(model, max_slots=6, max_seq_len=48, cuda_graphs=True)  # (overlapped: the default)
+    assert graphed_engine.overlap
     graphed = graphed_engine.generate(prompts, params)  # batches of 6, 5, 3, ... run in buckets 6, 4, ...
     assert _key(graphed) == _key(eager)
     assert len(graphed_engine.graphs.graphs) >= 2
