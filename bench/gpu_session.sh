@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: the GPU tests of the kernels and engines, then the benchmarks, logs under $OUT.
-#   bash bench/gpu_session.sh [tests] [rollout] [learner] [attention] [gemm] [gemm-bits] [learner-cap] [rollout-cap] [launch] [packed] [one-tile] [attn-quant] [swap-bound] [overlap]
+#   bash bench/gpu_session.sh [tests] [rollout] [learner] [attention] [gemm] [gemm-bits] [learner-cap] [rollout-cap] [launch] [packed] [one-tile] [attn-quant] [swap-bound] [overlap] [prefill-graphs]
 #   (default: all but gemm-bits and the caps; learner-cap / rollout-cap: MINITE_MAX_K_CHUNKS=$CAP, default 1;
 #   the engines' own cap is gemm.DEFAULT_MAX_CHUNKS = 4, CAP=64 gives the uncapped S of before 2026-12-06)
 # gemm-bits: bench/gemm.py again with the element-wise FP4 decode (MINITE_FP4_DECODE=bits), for the word decode's gain.
@@ -87,6 +87,14 @@ attention.FUSE_QUANTIZE = $fuse; sys.argv[0] = 'bench/rollout.py'; runpy.run_pat
 rollout.OVERLAP = $on; sys.argv[0] = 'bench/rollout.py'; runpy.run_path('bench/rollout.py', run_name='__main__')" \
                 ${OVERLAP_ARGS:---configs 0.6b,1.7b --batches 16,64 --repeats 2 --peers minite-nvfp4,minite-bf16} 2>&1 \
                 | tee "$OUT/rollout_overlap_$on.txt" | grep -E "^(0.6b|1.7b|moe) " | sed "s/^/OVERLAP=$on: /"
+            done ;;
+    # prefills replayed from CUDA graphs of their (rows, length) bucket (engine/rollout.PREFILL_GRAPHS) or launched
+    # eagerly (the default): the same rollout run both ways (same tokens either way)
+    prefill-graphs) for on in False True; do
+              timeout ${ROLLOUT_TIMEOUT:-420} python3 -c "import runpy, sys; from minite_core.engine import rollout
+rollout.PREFILL_GRAPHS = $on; sys.argv[0] = 'bench/rollout.py'; runpy.run_path('bench/rollout.py', run_name='__main__')" \
+                ${PREFILL_GRAPHS_ARGS:---configs 0.6b,1.7b --batches 16,64 --repeats 2 --peers minite-nvfp4,minite-bf16} 2>&1 \
+                | tee "$OUT/rollout_prefill_graphs_$on.txt" | grep -E "^(0.6b|1.7b|moe) " | sed "s/^/PREFILL_GRAPHS=$on: /"
             done ;;
     # a decode step of more than 128 sequences on the swapped tiles (gemm.SWAP_MAX_M raised to $SB, default 512: 128-row
     # tiles that read the packed weights) or on the wide tiles that decode them (the default bound, 128): same bits

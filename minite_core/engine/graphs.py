@@ -13,6 +13,13 @@ failure mode reported for vLLM/SGLang where a weight update silently leaves a gr
 pointers cannot happen: the graph never sees other tensors). The buffers hold one version at a time:
 the engine replays graphs only for sequences on the newest version and runs older, draining versions
 eagerly.
+
+Prefill graphs (opt-in, `RolloutEngine(prefill_graphs=True)`): an eager prefill is host-bound on a GPU (hundreds
+of launches, each tens of µs of Python, for a few ms of GPU work), so a prefill can replay a graph too, one per
+(rows bucket, length bucket): b prompts right-padded to t positions run as `rows_bucket(b)` x `length_bucket(t)`
+(`pad_prefill`): padding rows decode dummy tokens into the scratch row, padding positions write cache entries
+past each prompt, which no query reads before that sequence's decode steps write them (causal attention; the
+engine already right-pads a group to its longest prompt). A length bucket adds at most 15 or 1/4 more positions.
 """
 from __future__ import annotations
 
@@ -59,6 +66,27 @@ def buckets(max_batch: int) -> list[int]:
     return out + [max_batch]
 
 
+def length_bucket(t: int, cap: int) -> int:
+    """The positions a prefill of t runs at: t rounded up to a multiple of max(16, 2^(bit_length(t - 1) - 3)), so
+    at most 15 or a quarter more (4 buckets a doubling past 128), and at most `cap` (the cache's positions)."""
+    step = max(16, 1 << max(0, (t - 1).bit_length() - 3))
+    return min(cap, -(-t // step) * step)
+
+
+def pad_prefill(ids: torch.Tensor, slots: torch.Tensor, last: torch.Tensor, rows: int, length: int, scratch: int):
+    """A prefill's inputs (ids [b, t] from position 0, slots [b], each row's last prompt position [b]) padded to
+    `rows` x `length`: padding rows read token 0 into the cache row `scratch`, padding positions token 0 (past
+    every prompt). -> (ids, positions [rows, length], slots, last)."""
+    b, t = ids.shape
+    out_ids = ids.new_zeros(rows, length)
+    out_ids[:b, :t] = ids
+    out_slots = slots.new_full((rows,), scratch)
+    out_slots[:b] = slots
+    out_last = last.new_zeros(rows)
+    out_last[:b] = last
+    return out_ids, torch.arange(length, device=ids.device).expand(rows, length), out_slots, out_last
+
+
 def graph_capturable(model) -> bool:
     """Can the decode forward be captured: dense, or every MoE layer on the grouped path (device offsets,
     no host sync); the per-expert loop sizes its work on the host."""
@@ -74,6 +102,7 @@ class DecodeGraphs:
 
     def __init__(self, model, cache, max_batch: int, scratch_slot: int):
         self.model, self.cache, self.scratch = model, cache, scratch_slot
+        self.max_len = cache.capacity  # (the positions a cache row holds)
         self.buckets = buckets(max_batch)
         dev = model.device
         top = self.buckets[-1]
@@ -83,6 +112,7 @@ class DecodeGraphs:
         self.weights: dict | None = None  # the graph weights
         self.loaded = None  # (id of the weights dict, version) whose values the graph weights hold
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.prefills: dict[tuple[int, int], tuple] = {}  # (rows, length) -> (graph, logits, ids, slots, last)
         self.pool = None
 
     def bucket(self, b: int) -> int:
@@ -100,33 +130,34 @@ class DecodeGraphs:
             moe.restack(self.model, self.weights)  # the MoE layers' stacked experts follow in place
         self.loaded = key
 
-    def _forward(self, b: int) -> torch.Tensor:
+    def _forward(self, ids, pos, slots, logits_at=None) -> torch.Tensor:
         serving = self.model.w
         self.model.w = self.weights
         try:
-            return self.model(self.ids[:b], self.pos[:b], self.cache, self.slots[:b], check_ids=False,
+            return self.model(ids, pos, self.cache, slots, check_ids=False, logits_at=logits_at,
                               logits_dtype=self.model.dtype)  # as the learner: see RolloutEngine._forward
         finally:
             self.model.w = serving
 
-    def _capture(self, b: int):
+    def _capture(self, forward):
+        """(graph, output) of `forward()` captured (after a warm-up run)."""
         # warm up on a side stream (compiles the Triton kernels, settles the allocator), then capture
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            self._forward(b)
+            forward()
         torch.cuda.current_stream().wait_stream(s)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(g, pool=self.pool):
-            out = self._forward(b)
-        self.graphs[b] = (g, out)
+            out = forward()
+        return g, out
 
     def run(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """One decode step for b sequences (ids, pos [b, 1], slots [b], on the device) -> logits [b, V].
-        The caller has `load`ed the weights; the result is valid until the next `run`."""
+        The caller has `load`ed the weights; the result is valid until the next `run` or `prefill`."""
         b = ids.shape[0]
         n = self.bucket(b)
         self.ids[:b].copy_(ids)
@@ -136,7 +167,25 @@ class DecodeGraphs:
         self.pos[b:n].zero_()
         self.slots[b:n].fill_(self.scratch)
         if n not in self.graphs:
-            self._capture(n)
+            self.graphs[n] = self._capture(lambda: self._forward(self.ids[:n], self.pos[:n], self.slots[:n]))
         g, out = self.graphs[n]
+        g.replay()
+        return out[:b, 0]
+
+    def prefill(self, ids: torch.Tensor, slots: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """A prefill of b prompts right-padded to t positions (ids [b, t] from position 0, slots [b], each row's
+        last prompt position [b], on the device) -> the logits there [b, V], by the graph of its (rows, length)
+        bucket (`pad_prefill`). The caller has `load`ed the weights; valid until the next `run` or `prefill`."""
+        b, t = ids.shape
+        key = (self.bucket(b), length_bucket(t, self.max_len))
+        p_ids, p_pos, p_slots, p_last = pad_prefill(ids, slots, last, *key, self.scratch)
+        if key not in self.prefills:
+            static = (p_ids.clone(), p_pos.clone(), p_slots.clone(), p_last.clone())
+            g, out = self._capture(lambda: self._forward(*static[:3], logits_at=static[3]))
+            self.prefills[key] = (g, out, static)
+        g, out, (s_ids, _, s_slots, s_last) = self.prefills[key]
+        s_ids.copy_(p_ids)
+        s_slots.copy_(p_slots)
+        s_last.copy_(p_last)
         g.replay()
         return out[:b, 0]

@@ -55,6 +55,10 @@ MAX_TOP_LOGPROBS = 20  # alternatives per token (as vLLM and OpenAI allow)
 # client's stop string, a cancel) has had one more token computed for it, which is dropped (its cache write lies
 # past what any later owner of the slot reads before writing). The same tokens and bits as step by step.
 OVERLAP = True
+# Prefill graphs (`graphs.DecodeGraphs.prefill`): a prefill replays a graph of its (rows, length) bucket instead of
+# launching its kernels from Python. Off by default until timed and tested on a GPU (docs/benchmarks.md);
+# `RolloutEngine(prefill_graphs=True)` turns it on (it needs the decode graphs).
+PREFILL_GRAPHS = False
 
 
 def check_temperature(t) -> float:
@@ -189,7 +193,7 @@ class RolloutEngine:
     PREFILL_TOKENS = 16384  # at most this many (padded) prompt tokens per prefill forward
 
     def __init__(self, model: Qwen3, *, max_slots: int = 16, max_seq_len: int | None = None,
-                 cuda_graphs: bool | None = None, overlap: bool | None = None):
+                 cuda_graphs: bool | None = None, overlap: bool | None = None, prefill_graphs: bool | None = None):
         self.model = model
         self.max_seq_len = max_seq_len or min(model.cfg.max_position_embeddings, 4096)
         if max_slots < 1 or self.max_seq_len < 2:
@@ -210,6 +214,9 @@ class RolloutEngine:
                              "capturable); the grouped path needs backend='triton' and NVFP4 experts")
         self.graphs = DecodeGraphs(model, self.cache, max_slots, scratch_slot=max_slots) if cuda_graphs else None
         self.overlap = (OVERLAP and model.device.type == "cuda") if overlap is None else overlap
+        if prefill_graphs and self.graphs is None:
+            raise ValueError("prefill_graphs needs the decode graphs (cuda_graphs)")
+        self.prefill_graphs = self.graphs is not None and (PREFILL_GRAPHS if prefill_graphs is None else prefill_graphs)
         self._pending: _Step | None = None  # the decode step in flight whose tokens the host reads next (overlap)
         self._version = 0
         self.waiting: collections.deque[_Seq] = collections.deque()
@@ -433,7 +440,12 @@ class RolloutEngine:
             ids = torch.tensor([q.prompt + [0] * (t - len(q.prompt)) for q in group])
             pos = torch.arange(t).expand(len(group), t)
             last = torch.tensor([len(q.prompt) - 1 for q in group]).to(dev, non_blocking=True)
-            if capture is None:  # only the last prompt position's logits
+            version = group[0].request.version
+            if self.prefill_graphs and capture is None and version == self._version:
+                self.graphs.load(group[0].request.weights, version)
+                slots = torch.tensor([q.slot for q in group]).to(dev, non_blocking=True)
+                logits = self.graphs.prefill(ids.to(dev, non_blocking=True), slots, last)
+            elif capture is None:  # only the last prompt position's logits
                 logits = self._forward(group, ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True), None,
                                        logits_at=last)[:, 0]
             else:  # diagnostics see every prompt row

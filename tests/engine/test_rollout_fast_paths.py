@@ -8,8 +8,9 @@ from tests.backends import DEVICE, HAS_CUDA, HAS_TRITON
 from tests.helpers_hf import save_hf_checkpoint
 
 from minite_core.engine import Learner, RolloutEngine, SamplingParams
-from minite_core.engine.graphs import buckets, clone_weights, copy_weights_, graph_capturable
+from minite_core.engine.graphs import buckets, clone_weights, copy_weights_, graph_capturable, length_bucket, pad_prefill
 from minite_core.model import load_model
+from minite_core.model.qwen3 import KVCache
 
 pytest.importorskip("transformers")
 
@@ -57,10 +58,47 @@ def test_graph_weight_copy_checks_the_layout(ckpt):
     assert buckets(1) == [1] and buckets(6) == [1, 2, 4, 6] and buckets(8) == [1, 2, 4, 8]
 
 
+def test_length_buckets_pad_at_most_15_positions_or_a_quarter():
+    for t in range(1, 3000):
+        n = length_bucket(t, 4096)
+        assert t <= n <= max(t + 15, t + t // 4) and n % 16 == 0, (t, n)
+    assert length_bucket(100, 4096) == 112 and length_bucket(129, 4096) == 160 and length_bucket(1000, 4096) == 1024
+    assert length_bucket(40, 45) == 45  # (never past the cache's positions)
+    assert len({length_bucket(t, 4096) for t in range(129, 257)}) == 4
+
+
+def test_a_padded_prefill_changes_no_bit_of_its_rows(ckpt):
+    """What a prefill graph runs: the group padded to more rows (token 0 into the scratch cache row) and more
+    positions (token 0 past every prompt) gives each real row the logits at its last prompt position and the cache
+    entries of its prompt, bit for bit."""
+    model = load_model(ckpt, precision="nvfp4", device=DEVICE)
+    lengths = [5, 9, 13]
+    g = torch.Generator().manual_seed(4)
+    ids = torch.stack([torch.cat([torch.randint(0, 96, (n,), generator=g), torch.zeros(13 - n, dtype=torch.long)])
+                       for n in lengths]).to(DEVICE)
+    slots = torch.tensor([2, 0, 3], device=DEVICE)
+    last = torch.tensor([n - 1 for n in lengths], device=DEVICE)
+    caches = [KVCache(model.cfg, 6, 40, model.dtype, DEVICE) for _ in range(2)]
+    with torch.no_grad():
+        plain = model(ids, torch.arange(13, device=DEVICE).expand(3, 13), caches[0], slots, check_ids=False,
+                      logits_at=last, logits_dtype=model.dtype)[:, 0]
+        p_ids, p_pos, p_slots, p_last = pad_prefill(ids, slots, last, 4, length_bucket(13, 40), scratch=5)
+        assert p_ids.shape == (4, 16) and p_slots.tolist() == [2, 0, 3, 5] and p_last.tolist() == [4, 8, 12, 0]
+        padded = model(p_ids, p_pos, caches[1], p_slots, check_ids=False, logits_at=p_last, logits_dtype=model.dtype)
+    assert torch.equal(padded[:3, 0], plain)
+    for layer in range(model.cfg.num_hidden_layers):
+        for kv in ("k", "v"):
+            a, b = getattr(caches[0], kv)[layer], getattr(caches[1], kv)[layer]
+            for slot, n in zip(slots.tolist(), lengths):
+                assert torch.equal(a[slot, :, :n], b[slot, :, :n])
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="checks the CPU error")
 def test_cuda_graphs_need_cuda(ckpt):
     with pytest.raises(ValueError, match="CUDA"):
         RolloutEngine(load_model(ckpt, precision="nvfp4"), cuda_graphs=True)
+    with pytest.raises(ValueError, match="prefill_graphs needs the decode graphs"):
+        RolloutEngine(load_model(ckpt, precision="nvfp4"), prefill_graphs=True)
 
 
 def test_moe_graphs_only_on_the_grouped_path(tmp_path, ckpt):
@@ -117,3 +155,22 @@ def test_graph_decode_equals_eager_and_survives_a_weight_sync(ckpt, precision):
         assert c.weight_version == 1
         assert torch.equal(c.logprobs, learner.logprobs(c.prompt_ids, c.token_ids).cpu())
         assert not torch.equal(c.logprobs, old.logprobs(c.prompt_ids, c.token_ids).cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("precision", ["bf16", "nvfp4"])
+def test_prefill_graphs_equal_the_eager_prefill(ckpt, precision):
+    """Prefills replayed from the graphs of their (rows, length) buckets: the tokens and logprobs of eager
+    prefills, and the learner's; groups of several sizes and lengths, so several buckets."""
+    model = load_model(ckpt, precision=precision, backend="triton", device="cuda")
+    prompts = _prompts(13, seed=5)
+    params = [SamplingParams(max_tokens=3 + i % 5, temperature=[1.0, 0.0][i % 2], seed=i) for i in range(13)]
+    eager = RolloutEngine(model, max_slots=5, max_seq_len=48, prefill_graphs=False).generate(prompts, params)
+    engine = RolloutEngine(model, max_slots=5, max_seq_len=48, prefill_graphs=True)
+    graphed = engine.generate(prompts, params)
+    assert _key(graphed) == _key(eager)
+    assert len(engine.graphs.prefills) >= 2
+    learner = Learner(model)
+    for c in graphed:
+        assert torch.equal(c.logprobs, learner.logprobs(c.prompt_ids, c.token_ids).cpu())
