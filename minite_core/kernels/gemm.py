@@ -590,7 +590,11 @@ SMALL_M_TILES = True
 # chain over K for every M, so the same bits), where 128x128 tiles did 8x the MMA work at M = 16 and gave
 # N = 1024 eight programs. False: 128x128 for every M.
 SMALL_M_PLAIN = True
-SWAP_MAX_M = 128  # (raised, more rows take several 128-row swapped tiles: same bits; bench/gpu_session.sh swap-bound)
+# SWAP_MAX_M (set below) raised: more rows take several 128-row swapped tiles (same bits). On an H100 (2026-12-07, fourth session,
+# docs/benchmarks.md) a b256 decode step took 1-9% less at 512 than at 128 (NVFP4 0.6B 9.09 -> 8.97 ms, 1.7B 12.30 ->
+# 11.18; BF16 6.75 -> 6.55, 8.60 -> 8.33); the default stays 128 until the GPU tests have run with a raised bound.
+# MINITE_SWAP_MAX_M (read at import; the bits do not depend on it) sets another bound.
+DEFAULT_SWAP_MAX_M = 128
 SWAP_CONFIGS = {  # BLOCK_M (the swapped MMA's N) -> the rest of the tile; BLOCK_K is fixed below
     16: dict(BLOCK_N=64, num_warps=4, num_stages=4),
     32: dict(BLOCK_N=64, num_warps=4, num_stages=4),
@@ -639,6 +643,13 @@ def _wide_packed_from_env() -> int | None:
 
 
 WIDE_PACKED_MAX_M = _wide_packed_from_env()
+
+
+def _swap_bound_from_env() -> int:
+    return _env_count("MINITE_SWAP_MAX_M", DEFAULT_SWAP_MAX_M, lambda n: n >= 1, "a row count >= 1")
+
+
+SWAP_MAX_M = _swap_bound_from_env()
 DECODED_TILE = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3)
 CONFIG_OVERRIDE: dict | None = None  # bench/gemm.py only: try other fixed configs
 # The wide tiles' fp16 operands written by the kernels that quantized them (`NVFP4Tensor.decoded`); bench only:

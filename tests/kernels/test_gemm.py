@@ -194,6 +194,18 @@ def test_wide_packed_bound_from_the_environment(monkeypatch):
             gemm._wide_packed_from_env()
 
 
+def test_swap_bound_from_the_environment(monkeypatch):
+    """MINITE_SWAP_MAX_M: a row count >= 1; anything else is refused with the variable's name."""
+    monkeypatch.delenv("MINITE_SWAP_MAX_M", raising=False)
+    assert gemm._swap_bound_from_env() == gemm.DEFAULT_SWAP_MAX_M == 128
+    monkeypatch.setenv("MINITE_SWAP_MAX_M", "256")
+    assert gemm._swap_bound_from_env() == 256
+    for bad in ("0", "-1", "2k", ""):
+        monkeypatch.setenv("MINITE_SWAP_MAX_M", bad)
+        with pytest.raises(ValueError, match="MINITE_SWAP_MAX_M"):
+            gemm._swap_bound_from_env()
+
+
 def test_the_launchers_integer_helpers_equal_tritons():
     """`gemm.cdiv` / `gemm.next_pow2` (plain integers: Triton's are ~2 µs constexpr_function calls) give
     `triton.cdiv` / `triton.next_power_of_2`'s values, powers of two and their neighbours included."""
