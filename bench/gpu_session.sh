@@ -96,6 +96,7 @@ rollout.PREFILL_GRAPHS = $on; sys.argv[0] = 'bench/rollout.py'; runpy.run_path('
                 ${PREFILL_GRAPHS_ARGS:---configs 0.6b,1.7b --batches 16,64 --repeats 2 --peers minite-nvfp4,minite-bf16} 2>&1 \
                 | tee "$OUT/rollout_prefill_graphs_$on.txt" | grep -E "^(0.6b|1.7b|moe) " | sed "s/^/PREFILL_GRAPHS=$on: /"
             done ;;
+    # (MINITE_SWAP_MAX_M=N sets the bound for every part, the tests included: `MINITE_SWAP_MAX_M=256 ... tests`)
     # a decode step of more than 128 sequences on the swapped tiles (gemm.SWAP_MAX_M raised to $SB, default 512: 128-row
     # tiles that read the packed weights) or on the wide tiles that decode them (the default bound, 128): same bits
     swap-bound) for sb in 128 ${SB:-512}; do
