@@ -16,10 +16,11 @@ eagerly.
 
 Prefill graphs (opt-in, `RolloutEngine(prefill_graphs=True)`): an eager prefill is host-bound on a GPU (hundreds
 of launches, each tens of µs of Python, for a few ms of GPU work), so a prefill can replay a graph too, one per
-(rows bucket, length bucket): b prompts right-padded to t positions run as `rows_bucket(b)` x `length_bucket(t)`
+(rows bucket, length bucket): b prompts right-padded to t positions run as `bucket(b)` x `length_bucket(t)`
 (`pad_prefill`): padding rows decode dummy tokens into the scratch row, padding positions write cache entries
 past each prompt, which no query reads before that sequence's decode steps write them (causal attention; the
-engine already right-pads a group to its longest prompt). A length bucket adds at most 15 or 1/4 more positions.
+engine already right-pads a group to its longest prompt). The rows take the decode graphs' buckets (powers of two
+and the slot count); a length bucket adds at most 15 or 1/4 more positions.
 """
 from __future__ import annotations
 
@@ -112,7 +113,7 @@ class DecodeGraphs:
         self.weights: dict | None = None  # the graph weights
         self.loaded = None  # (id of the weights dict, version) whose values the graph weights hold
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.prefills: dict[tuple[int, int], tuple] = {}  # (rows, length) -> (graph, logits, ids, slots, last)
+        self.prefills: dict[tuple[int, int], tuple] = {}  # (rows, length) -> (graph, logits, (ids, pos, slots, last))
         self.pool = None
 
     def bucket(self, b: int) -> int:
