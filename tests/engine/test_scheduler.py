@@ -34,8 +34,8 @@ def test_a_small_request_is_not_queued_behind_every_sample_of_a_large_one(tmp_pa
 
 def _overlap_run(model, overlap: bool, events: list, pending: list):
     """Requests that join as slots free (more than the slots), stop on stop ids, by length, by a stop the
-    caller sets from a token callback (a service's stop string) and by a cancel, with top alternatives on one;
-    -> the completions; `events` gets every callback in order, `pending` whether a step was left in flight."""
+    caller sets from a token callback (a service's stop string) and by a cancel, with top alternatives on one,
+    and two more on a weight version installed mid-run; -> the completions; `events` gets every callback in order, `pending` whether a step was left in flight."""
     engine = RolloutEngine(model, max_slots=3, max_seq_len=24, overlap=overlap)
     g, vocab = torch.Generator().manual_seed(7), model.cfg.vocab_size
     reqs = {}
@@ -47,16 +47,28 @@ def _overlap_run(model, overlap: bool, events: list, pending: list):
         if r == 3 and len(reqs[3].seqs[1].tokens) == 2:
             engine.cancel(reqs[3])
 
-    for r in range(7):
+    def submit(r):
         prompt = torch.randint(0, vocab, (int(torch.randint(2, 9, (), generator=g)),), generator=g).tolist()
         params = SamplingParams(max_tokens=4 + 3 * (r % 4), temperature=[1.0, 0.0, 0.7][r % 3], seed=r,
                                 n=1 + r % 2, stop_token_ids=(r, r + 6) if r % 3 == 1 else (),
                                 logprobs=3 if r == 5 else 0)
         reqs[r] = engine.submit(prompt, params, on_token=lambda i, tok, lp, fin, r=r: on_token(r, i, tok, lp, fin))
-    while engine.busy:
-        engine.step()
-        pending.append(engine._pending is not None)
+
+    for r in range(7):
+        submit(r)
+    served = model.w
+    try:
+        while engine.busy:
+            engine.step()
+            pending.append(engine._pending is not None)
+            if len(pending) == 4:  # a new weight version mid-run: two versions decode side by side for a while
+                engine.set_weights({n: t * 1.01 if n.endswith("norm.weight") else t for n, t in served.items()}, 1)
+                submit(7)
+                submit(8)
+    finally:
+        model.w = served  # (set_weights installed the new version on the shared model)
     assert engine._pending is None and all(q.ahead == 0 for r in reqs.values() for q in r.seqs)
+    assert {r.version for r in reqs.values()} == {0, 1}
     return [(c.token_ids, c.logprobs.tolist(), c.finish_reason, c.top_logprobs)
             for r in reqs.values() for c in r.completions()]
 
