@@ -1,4 +1,5 @@
-"""CUDA graphs for the rollout engine's decode step, one per batch-size bucket, surviving weight syncs.
+"""CUDA graphs for the rollout engine's steps: the decode step, one per batch-size bucket (and, opt-in, the prefill,
+one per rows and length bucket), surviving weight syncs.
 
 A decode step of a small model is hundreds of small kernels; launched from Python each costs more than
 it computes. Capturing the step once per batch-size bucket (1, 2, 4, ... up to the engine's slots) and
@@ -98,8 +99,9 @@ def graph_capturable(model) -> bool:
         return all(moe.usable(model, f"model.layers.{i}.mlp.") for i in layers)
 
 
-class DecodeGraphs:
-    """Graph-captured decode forwards of `model` over `cache`; `scratch_slot` is a cache row no sequence uses."""
+class StepGraphs:
+    """Graph-captured decode (and prefill) forwards of `model` over `cache`; `scratch_slot` is a cache row no
+    sequence uses."""
 
     def __init__(self, model, cache, max_batch: int, scratch_slot: int):
         self.model, self.cache, self.scratch = model, cache, scratch_slot

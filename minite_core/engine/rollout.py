@@ -40,7 +40,7 @@ import math
 import torch
 
 from ..model.qwen3 import KVCache, Qwen3
-from .graphs import DecodeGraphs, graph_capturable
+from .graphs import StepGraphs, graph_capturable
 from .learner import Learner
 from .sampler import sample_batch, seed_key, top_alternatives
 
@@ -55,7 +55,7 @@ MAX_TOP_LOGPROBS = 20  # alternatives per token (as vLLM and OpenAI allow)
 # client's stop string, a cancel) has had one more token computed for it, which is dropped (its cache write lies
 # past what any later owner of the slot reads before writing). The same tokens and bits as step by step.
 OVERLAP = True
-# Prefill graphs (`graphs.DecodeGraphs.prefill`): a prefill replays a graph of its (rows, length) bucket instead of
+# Prefill graphs (`graphs.StepGraphs.prefill`): a prefill replays a graph of its (rows, length) bucket instead of
 # launching its kernels from Python. Off by default until timed and tested on a GPU (docs/benchmarks.md);
 # `RolloutEngine(prefill_graphs=True)` turns it on (it needs the decode graphs).
 PREFILL_GRAPHS = False
@@ -212,7 +212,7 @@ class RolloutEngine:
         if cuda_graphs and not capturable:
             raise ValueError("cuda_graphs: this model's MoE layers take the per-expert loop (host syncs, not "
                              "capturable); the grouped path needs backend='triton' and NVFP4 experts")
-        self.graphs = DecodeGraphs(model, self.cache, max_slots, scratch_slot=max_slots) if cuda_graphs else None
+        self.graphs = StepGraphs(model, self.cache, max_slots, scratch_slot=max_slots) if cuda_graphs else None
         self.overlap = (OVERLAP and model.device.type == "cuda") if overlap is None else overlap
         if prefill_graphs and self.graphs is None:
             raise ValueError("prefill_graphs needs the decode graphs (cuda_graphs)")
