@@ -215,7 +215,8 @@ class RolloutEngine:
         self.graphs = StepGraphs(model, self.cache, max_slots, scratch_slot=max_slots) if cuda_graphs else None
         self.overlap = (OVERLAP and model.device.type == "cuda") if overlap is None else overlap
         if prefill_graphs and self.graphs is None:
-            raise ValueError("prefill_graphs needs the decode graphs (cuda_graphs)")
+            raise ValueError("prefill_graphs needs the decode's CUDA graphs: a model on a CUDA device whose decode "
+                             "can be captured (cuda_graphs)")
         self.prefill_graphs = self.graphs is not None and (PREFILL_GRAPHS if prefill_graphs is None else prefill_graphs)
         self._pending: _Step | None = None  # the decode step in flight whose tokens the host reads next (overlap)
         self._version = 0

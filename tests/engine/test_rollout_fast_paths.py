@@ -97,7 +97,7 @@ def test_a_padded_prefill_changes_no_bit_of_its_rows(ckpt):
 def test_cuda_graphs_need_cuda(ckpt):
     with pytest.raises(ValueError, match="CUDA"):
         RolloutEngine(load_model(ckpt, precision="nvfp4"), cuda_graphs=True)
-    with pytest.raises(ValueError, match="prefill_graphs needs the decode graphs"):
+    with pytest.raises(ValueError, match="prefill_graphs needs the decode's CUDA graphs"):
         RolloutEngine(load_model(ckpt, precision="nvfp4"), prefill_graphs=True)
 
 

@@ -4,7 +4,8 @@ traceback, in seconds (before: OOM-killed with no message, a hang, or a service 
 
 - config.json typos: num_hidden_layers 1e9 / 10**9 / "2", num_attention_heads 0, rms_norm_eps "x" or NaN;
 - `--max-seq-len` above the model's context; a KV cache (`--max-slots` x `--max-seq-len`) beyond memory;
-- a FIFO where a weights file should be.
+- a FIFO where a weights file should be;
+- `--prefill-graphs` on a machine without CUDA.
 """
 from __future__ import annotations
 
@@ -65,6 +66,13 @@ def test_max_seq_len_above_the_context_is_refused(service_model):
     r, took = _rollout(service_model, "--max-seq-len", 2_000_000)
     _refused(r, "max_seq_len 2000000 is longer than the model's context")
     report("max_seq_len_above_context", max_seq_len=2_000_000, exit_code=r.returncode, seconds=f"{took:.1f}")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal without CUDA")
+def test_prefill_graphs_without_cuda_are_refused(service_model):
+    r, took = _rollout(service_model, "--prefill-graphs")
+    _refused(r, "prefill_graphs needs the decode's CUDA graphs")
+    report("prefill_graphs_without_cuda", exit_code=r.returncode, seconds=f"{took:.1f}")
 
 
 def test_a_kv_cache_beyond_memory_is_refused_with_the_figure(tmp_path):
