@@ -20,6 +20,17 @@ set -u
 OUT=${OUT:-/tmp/minite-gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 TRITON_STORE_BINARY_ONLY=1
 parts=${*:-tests rollout learner attention gemm}
+# bench/rollout.py with one module setting set to each VALUE in turn (the same run, and the same bits, either way):
+#   rollout_ab MODULE NAME ARGS VALUE...  -> $OUT/rollout_NAME=VALUE.txt each, and its result lines
+rollout_ab() {
+  local module=$1 name=$2 args=$3 v; shift 3
+  for v in "$@"; do
+    timeout ${ROLLOUT_TIMEOUT:-420} python3 -c "import importlib, runpy, sys
+setattr(importlib.import_module('$module'), '$name', $v); sys.argv[0] = 'bench/rollout.py'
+runpy.run_path('bench/rollout.py', run_name='__main__')" $args 2>&1 \
+      | tee "$OUT/rollout_$name=$v.txt" | grep -E "^(0.6b|1.7b|moe) " | sed "s/^/$name=$v: /"
+  done
+}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 git log --oneline -1 | tee -a "$OUT/device.txt"
@@ -66,45 +77,25 @@ for p in $parts; do
             done ;;
     # a decode step's few rows quantized with the whole row in one tile (quantize.ONE_TILE_MAX_ROWS, the default) or
     # with the chunk walk that many rows take (0): the same rollout run both ways (same bits either way)
-    one-tile) for rows in 256 0; do
-              timeout ${ROLLOUT_TIMEOUT:-420} python3 -c "import runpy, sys; from minite_core.kernels import quantize
-quantize.ONE_TILE_MAX_ROWS = $rows; sys.argv[0] = 'bench/rollout.py'; runpy.run_path('bench/rollout.py', run_name='__main__')" \
-                ${ONE_TILE_ARGS:---configs 0.6b,1.7b --batches 16,64 --repeats 2 --peers minite-nvfp4} 2>&1 \
-                | tee "$OUT/rollout_one_tile_$rows.txt" | grep -E "^(0.6b|1.7b|moe) " | sed "s/^/ONE_TILE_MAX_ROWS=$rows: /"
-            done ;;
+    one-tile) rollout_ab minite_core.kernels.quantize ONE_TILE_MAX_ROWS \
+                "${ONE_TILE_ARGS:---configs 0.6b,1.7b --batches 16,64 --repeats 2 --peers minite-nvfp4}" 256 0 ;;
     # a decode step's o_proj input quantized by the attention kernel (attention.FUSE_QUANTIZE, the default) or by a
     # quantize launch after it (same bits): the same rollout run both ways
-    attn-quant) for fuse in True False; do
-              timeout ${ROLLOUT_TIMEOUT:-420} python3 -c "import runpy, sys; from minite_core.kernels import attention
-attention.FUSE_QUANTIZE = $fuse; sys.argv[0] = 'bench/rollout.py'; runpy.run_path('bench/rollout.py', run_name='__main__')" \
-                ${ATTN_QUANT_ARGS:---configs 0.6b,1.7b --batches 16,64 --repeats 2 --peers minite-nvfp4} 2>&1 \
-                | tee "$OUT/rollout_attn_quant_$fuse.txt" | grep -E "^(0.6b|1.7b|moe) " | sed "s/^/FUSE_QUANTIZE=$fuse: /"
-            done ;;
+    attn-quant) rollout_ab minite_core.kernels.attention FUSE_QUANTIZE \
+                "${ATTN_QUANT_ARGS:---configs 0.6b,1.7b --batches 16,64 --repeats 2 --peers minite-nvfp4}" True False ;;
     # the decode step launched before the host reads the last step's tokens (engine/rollout.OVERLAP, the default on CUDA)
     # or after it (one host round trip a step with the GPU idle): the same rollout run both ways (same tokens either way)
-    overlap) for on in True False; do
-              timeout ${ROLLOUT_TIMEOUT:-420} python3 -c "import runpy, sys; from minite_core.engine import rollout
-rollout.OVERLAP = $on; sys.argv[0] = 'bench/rollout.py'; runpy.run_path('bench/rollout.py', run_name='__main__')" \
-                ${OVERLAP_ARGS:---configs 0.6b,1.7b --batches 16,64 --repeats 2 --peers minite-nvfp4,minite-bf16} 2>&1 \
-                | tee "$OUT/rollout_overlap_$on.txt" | grep -E "^(0.6b|1.7b|moe) " | sed "s/^/OVERLAP=$on: /"
-            done ;;
+    overlap) rollout_ab minite_core.engine.rollout OVERLAP \
+                "${OVERLAP_ARGS:---configs 0.6b,1.7b --batches 16,64 --repeats 2 --peers minite-nvfp4,minite-bf16}" True False ;;
     # prefills replayed from CUDA graphs of their (rows, length) bucket (engine/rollout.PREFILL_GRAPHS) or launched
     # eagerly (the default): the same rollout run both ways (same tokens either way)
-    prefill-graphs) for on in False True; do
-              timeout ${ROLLOUT_TIMEOUT:-420} python3 -c "import runpy, sys; from minite_core.engine import rollout
-rollout.PREFILL_GRAPHS = $on; sys.argv[0] = 'bench/rollout.py'; runpy.run_path('bench/rollout.py', run_name='__main__')" \
-                ${PREFILL_GRAPHS_ARGS:---configs 0.6b,1.7b --batches 16,64 --repeats 2 --peers minite-nvfp4,minite-bf16} 2>&1 \
-                | tee "$OUT/rollout_prefill_graphs_$on.txt" | grep -E "^(0.6b|1.7b|moe) " | sed "s/^/PREFILL_GRAPHS=$on: /"
-            done ;;
+    prefill-graphs) rollout_ab minite_core.engine.rollout PREFILL_GRAPHS \
+                "${PREFILL_GRAPHS_ARGS:---configs 0.6b,1.7b --batches 16,64 --repeats 2 --peers minite-nvfp4,minite-bf16}" False True ;;
     # (MINITE_SWAP_MAX_M=N sets the bound for every part, the tests included: `MINITE_SWAP_MAX_M=256 ... tests`)
     # a decode step of more than 128 sequences on the swapped tiles (gemm.SWAP_MAX_M raised to $SB, default 512: 128-row
     # tiles that read the packed weights) or on the wide tiles that decode them (the default bound, 128): same bits
-    swap-bound) for sb in 128 ${SB:-512}; do
-              timeout ${ROLLOUT_TIMEOUT:-420} python3 -c "import runpy, sys; from minite_core.kernels import gemm
-gemm.SWAP_MAX_M = $sb; sys.argv[0] = 'bench/rollout.py'; runpy.run_path('bench/rollout.py', run_name='__main__')" \
-                ${SWAP_BOUND_ARGS:---configs 0.6b,1.7b --batches 256 --repeats 2 --peers minite-nvfp4,minite-bf16} 2>&1 \
-                | tee "$OUT/rollout_swap_$sb.txt" | grep -E "^(0.6b|1.7b|moe) " | sed "s/^/SWAP_MAX_M=$sb: /"
-            done ;;
+    swap-bound) rollout_ab minite_core.kernels.gemm SWAP_MAX_M \
+                "${SWAP_BOUND_ARGS:---configs 0.6b,1.7b --batches 256 --repeats 2 --peers minite-nvfp4,minite-bf16}" 128 ${SB:-512} ;;
     attention) timeout 120 python3 bench/attention.py 2>&1 | tee "$OUT/attention.txt" | tail -20 ;;
     launch) timeout 150 python3 bench/launch_cost.py ${LAUNCH_ARGS:---stages} 2>&1 | tee "$OUT/launch.txt" | tail -20 ;;
     gemm) timeout 240 python3 bench/gemm.py ${GEMM_ARGS:---quick --chunks 1,2,4} --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.txt" | tail -40 ;;
@@ -124,8 +115,8 @@ echo "== summary"
 [ -f "$OUT/rollout.txt" ] && grep -E 'minite-nvfp4 / ' "$OUT/rollout.txt" | sed 's/^/rollout:  /'
 for f in "$OUT"/rollout_packed_*.txt; do [ -f "$f" ] && grep -E 'minite-nvfp4 / |prefill' "$f" | grep -v '^ *$' \
   | sed "s/^/rollout, MINITE_WIDE_PACKED_MAX_M=$(basename "$f" .txt | sed 's/rollout_packed_//'): /"; done
-for f in "$OUT"/rollout_swap_*.txt; do [ -f "$f" ] && grep -E 'minite-nvfp4 / |^(0.6b|1.7b) +minite-(nvfp4|bf16) +b' "$f" \
-  | sed "s/^/rollout, SWAP_MAX_M=$(basename "$f" .txt | sed 's/rollout_swap_//'): /"; done
+for f in "$OUT"/rollout_*=*.txt; do [ -f "$f" ] && grep -E 'minite-nvfp4 / |^(0.6b|1.7b) +minite-(nvfp4|bf16) +b' "$f" \
+  | sed "s/^/rollout, $(basename "$f" .txt | sed 's/^rollout_//'): /"; done
 [ -f "$OUT/learner_cap.txt" ] && grep -E '^NVFP4 / BF16' "$OUT/learner_cap.txt" | sed "s/^/learner, S <= ${CAP:-1}: /"
 [ -f "$OUT/rollout_cap.txt" ] && grep -E 'minite-nvfp4 / ' "$OUT/rollout_cap.txt" | sed "s/^/rollout, S <= ${CAP:-1}: /"
 [ -f "$OUT/gemm.txt" ] && grep -E '^ *[0-9]+ +[0-9]+ +(1|16|64|4096) ' "$OUT/gemm.txt" | awk -F'|' '{print "gemm:     N K M S =" $1 "w4a4 vs bf16 =" $(NF-1)}'
