@@ -53,7 +53,8 @@ MAX_TOP_LOGPROBS = 20  # alternatives per token (as vLLM and OpenAI allow)
 # tokens, its input ids taken from them on the device, so the GPU runs step t + 1 while the host appends step t's
 # tokens, checks stops and calls back. A sequence that stops on a token the host had not read yet (a stop id, a
 # client's stop string, a cancel) has had one more token computed for it, which is dropped (its cache write lies
-# past what any later owner of the slot reads before writing). The same tokens and bits as step by step.
+# past what any later owner of the slot reads before writing). The same tokens and bits as step by step. (A step with
+# a request for top alternatives waits for its logits at the draw, as do top-k / top-p rows: no overlap for it.)
 OVERLAP = True
 # Prefill graphs (`graphs.StepGraphs.prefill`): a prefill replays a graph of its (rows, length) bucket instead of
 # launching its kernels from Python. Off by default until timed and tested on a GPU (docs/benchmarks.md);
@@ -438,20 +439,20 @@ class RolloutEngine:
                 hi += 1
             group = seqs[lo:hi]
             t = len(group[-1].prompt)
-            ids = torch.tensor([q.prompt + [0] * (t - len(q.prompt)) for q in group])
-            pos = torch.arange(t).expand(len(group), t)
+            ids = torch.tensor([q.prompt + [0] * (t - len(q.prompt)) for q in group]).to(dev, non_blocking=True)
             last = torch.tensor([len(q.prompt) - 1 for q in group]).to(dev, non_blocking=True)
             version = group[0].request.version
             if self.prefill_graphs and capture is None and version == self._version:
                 self.graphs.load(group[0].request.weights, version)
                 slots = torch.tensor([q.slot for q in group]).to(dev, non_blocking=True)
-                logits = self.graphs.prefill(ids.to(dev, non_blocking=True), slots, last)
-            elif capture is None:  # only the last prompt position's logits
-                logits = self._forward(group, ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True), None,
-                                       logits_at=last)[:, 0]
-            else:  # diagnostics see every prompt row
-                logits = self._forward(group, ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True), capture,
-                                       [len(q.prompt) for q in group])[torch.arange(len(group), device=dev), last]
+                logits = self.graphs.prefill(ids, slots, last)
+            else:
+                pos = torch.arange(t, device=dev).expand(len(group), t)
+                if capture is None:  # only the last prompt position's logits
+                    logits = self._forward(group, ids, pos, None, logits_at=last)[:, 0]
+                else:  # diagnostics see every prompt row
+                    logits = self._forward(group, ids, pos, capture, [len(q.prompt) for q in group])[
+                        torch.arange(len(group), device=dev), last]
             self._read(self._draw(group, logits))
             lo = hi
 
