@@ -385,7 +385,7 @@ class RolloutEngine:
         seq.logprobs.append(lp)
         if tok in seq.params.stop_token_ids:
             seq.finish = FINISH_STOP
-        elif len(seq.tokens) >= seq.params.max_tokens or len(seq.prompt) + len(seq.tokens) >= self.max_seq_len:
+        elif self._reaches_length(seq, len(seq.tokens)):
             seq.finish = FINISH_LENGTH
         if seq.request.on_token is not None:
             seq.request.on_token(seq.sample_index, tok, lp, seq.finish)
@@ -479,9 +479,8 @@ class RolloutEngine:
             logits = self._forward(seqs, ids, pos, capture)[:, 0]
         return self._draw(seqs, logits)
 
-    def _ends_by_length(self, q: _Seq) -> bool:
-        """Whether q's tokens, once those drawn ahead are read, reach its max_tokens or the context."""
-        n = len(q.tokens) + q.ahead
+    def _reaches_length(self, q: _Seq, n: int) -> bool:
+        """Whether n tokens of q reach its max_tokens or the context (it then ends, FINISH_LENGTH)."""
         return n >= q.params.max_tokens or len(q.prompt) + n >= self.max_seq_len
 
     @torch.no_grad()
@@ -509,7 +508,8 @@ class RolloutEngine:
             groups = self._groups()
             overlap = overlap and len(groups) == 1
         if overlap:  # launch this step, then read the previous one while the device runs it
-            seqs = [q for q in next(iter(groups.values())) if not self._ends_by_length(q)]
+            # (not those that the tokens drawn ahead end by length)
+            seqs = [q for q in next(iter(groups.values())) if not self._reaches_length(q, len(q.tokens) + q.ahead)]
             self._pending = self._decode(seqs, None, ahead) if seqs else None
             if ahead is not None:
                 self._read(ahead)
