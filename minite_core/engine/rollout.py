@@ -363,7 +363,8 @@ class RolloutEngine:
         wants = [i for i, q in enumerate(seqs) if q.params.logprobs]
         tops = {}
         if wants:  # (a sync of its own, only for requests that asked for alternatives)
-            tops = dict(zip(wants, top_alternatives(logits, wants, [seqs[i].params for i in wants], self.model.backend)))
+            alternatives = top_alternatives(logits, wants, [seqs[i].params for i in wants], self.model.backend)
+            tops = dict(zip(wants, alternatives))
         for q in seqs:
             q.ahead += 1
         return _Step(seqs, tokens, both, ready, tops)
