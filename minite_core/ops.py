@@ -24,6 +24,8 @@ a decode step launches.
 """
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 from typing import NamedTuple
 
@@ -67,10 +69,15 @@ def _call(fn: type[torch.autograd.Function], *args):
     return fn.forward(_NoGrad(), *args)
 
 
-def _check_triton_device(t: torch.Tensor, name: str) -> None:
-    from .kernels.gemm import interpreting
+@functools.cache
+def _triton(name: str):
+    """The Triton kernel module `kernels.<name>`, imported on first use (the torch backend runs without Triton).
+    Cached: an import statement in a function costs ~2 µs a call, and an eager forward makes hundreds of op calls."""
+    return importlib.import_module(f"{__package__}.kernels.{name}")
 
-    if t.device.type != "cuda" and not interpreting():
+
+def _check_triton_device(t: torch.Tensor, name: str) -> None:
+    if not t.is_cuda and not _triton("gemm").interpreting():
         raise ValueError(f"{name} is on {t.device}: the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
 
 
@@ -89,8 +96,6 @@ def quantize(
     backend = resolve_backend(backend)
     if backend == "torch":
         return nvfp4.quantize(x, scale_mode=scale_mode, global_scale=global_scale, check_finite=check_finite)
-    from .kernels.quantize import quantize_triton
-
     check_float_input(x, "x", check_finite=check_finite)
     _check_triton_device(x, "x")
     if scale_mode not in ("row", "tensor"):
@@ -99,15 +104,13 @@ def quantize(
         global_scale = nvfp4._check_global_scale(global_scale, tuple(x.shape[:-1]), x.device)
     elif scale_mode == "tensor":
         global_scale = nvfp4.global_scale_from_amax(x.abs().amax())
-    return quantize_triton(x.contiguous(), global_scale, decoded=decoded)
+    return _triton("quantize").quantize_triton(x.contiguous(), global_scale, decoded=decoded)
 
 
 def _decoded_for(x: torch.Tensor) -> bool:
     """Whether the activation x [..., K] (triton backend) should carry its decoded form: its rows meet the
     GEMM's decoded tiles (`kernels.gemm.decodes_activation`), which would otherwise decode it again."""
-    from .kernels.gemm import decodes_activation
-
-    return decodes_activation(x.numel() // x.shape[-1] if x.shape[-1] else 0)
+    return _triton("gemm").decodes_activation(x.numel() // x.shape[-1] if x.shape[-1] else 0)
 
 
 def _quantize_activation(x: torch.Tensor, backend: str, scale_mode: str = "row") -> NVFP4Tensor:
@@ -131,8 +134,6 @@ def quantize_weights(tensors: list, *, backend: str | None = None, decoded: bool
     backend = resolve_backend(backend)
     if backend == "torch" or not tensors:
         return [quantize(t, scale_mode="tensor", backend=backend) for t in tensors]
-    from .kernels.gemm import OPERANDS_DECODED_ONCE
-    from .kernels.quantize import quantize_many_triton
 
     for i, t in enumerate(tensors):
         check_float_input(t, f"tensors[{i}]", check_finite=False)
@@ -140,8 +141,9 @@ def quantize_weights(tensors: list, *, backend: str | None = None, decoded: bool
     if len({(t.dtype, t.device) for t in tensors}) > 1:
         raise ValueError("quantize_weights: the tensors must share one dtype and one device")
     amax = torch.stack([a.float() for a in torch._foreach_norm(list(tensors), float("inf"))])
-    out = quantize_many_triton([t.contiguous() for t in tensors], nvfp4.global_scale_from_amax(amax),
-                               decoded and OPERANDS_DECODED_ONCE, dequantized)
+    decoded = decoded and _triton("gemm").OPERANDS_DECODED_ONCE
+    out = _triton("quantize").quantize_many_triton([t.contiguous() for t in tensors],
+                                                   nvfp4.global_scale_from_amax(amax), decoded, dequantized)
     if not bool(torch.isfinite(amax).all()):
         bad = [i for i, ok in enumerate(torch.isfinite(amax).tolist()) if not ok]
         raise ValueError(f"tensors {bad} contain NaN or Inf values")
@@ -183,8 +185,7 @@ def _gemms(x: torch.Tensor, ws: list, biases: list, out_dtype, backend: str, sca
                 out = out + bias.float()
             outs.append(out.to(out_dtype).reshape(*lead, w.shape[0]))
         return outs, xq
-    from .kernels.gemm import gemm_many_triton
-
+    gemm_many_triton = _triton("gemm").gemm_many_triton
     _check_triton_device(x, "x")
     if xq is not None:  # (its rows as they are: the kernels read a model's [B, T, K] without a reshape)
         return gemm_many_triton(xq, ws, biases, out_dtype), xq
@@ -199,10 +200,8 @@ def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16, *, backend: 
         raise TypeError(f"dequantize needs an NVFP4Tensor, got {type(t).__name__}")
     if backend == "torch":
         return nvfp4.dequantize(t, dtype)
-    from .kernels.quantize import dequantize_triton
-
     _check_triton_device(t.data, "t")
-    return dequantize_triton(t, dtype)
+    return _triton("quantize").dequantize_triton(t, dtype)
 
 
 class _Linears(torch.autograd.Function):
@@ -256,7 +255,7 @@ def _linear_grads(ctx, g2, x2, w, w_tensor, need_x: bool, need_w: bool, deq, sha
     if ctx.bwd == "fp8":
         rows = bwd.e4m3_rows
         if resolve_backend(ctx.backend) == "triton":
-            from .kernels.fp8 import e4m3_rows_triton as rows
+            rows = _triton("fp8").e4m3_rows_triton
         return bwd.fp8_recipe(g2, x2, w, ctx.xq, need_x, need_w, deq, rows, ctx.x_dtype, shared)
     if g2.is_cuda:
         return bwd.ste_cuda(g2, x2, w, ctx.xq, ctx.x_dtype if need_x else None, w_tensor.dtype if need_w else None, deq)
@@ -373,9 +372,7 @@ def _with_nvfp4(out, shape, quantize: bool):
     """A row op's Function result -> y, or (y, its NVFP4Tensor) with `quantize`."""
     if not quantize:
         return out
-    from .kernels.quantize import as_nvfp4
-
-    return out[0], as_nvfp4(out[1:], tuple(shape))
+    return out[0], _triton("quantize").as_nvfp4(out[1:], tuple(shape))
 
 
 def _rms_norm(x, delta, weight, eps: float, backend: str | None, quantize: bool) -> tuple:
@@ -386,17 +383,14 @@ def _rms_norm(x, delta, weight, eps: float, backend: str | None, quantize: bool)
     if quantize:
         _check_quantizable(x, "rms_norm")
     if backend == "triton":
-        from .kernels.quantize import as_nvfp4
-        from .kernels.rows import RMSNormFunction
-
         _check_triton_device(x, "x")
         if weight.device != x.device:
             raise ValueError(f"x is on {x.device} but the rms_norm weight is on {weight.device}")
-        out = _call(RMSNormFunction, x, weight, float(eps), quantize, delta,  # y[, s][, y's NVFP4 parts]
+        out = _call(_triton("rows").RMSNormFunction, x, weight, float(eps), quantize, delta,  # y[, s][, NVFP4]
                     quantize and _decoded_for(x))
         out = out if isinstance(out, tuple) else (out,)
         s, q = (out[1], out[2:]) if delta is not None else (x, out[1:])
-        return s, out[0], (as_nvfp4(q, tuple(x.shape)) if quantize else None)
+        return s, out[0], (_triton("quantize").as_nvfp4(q, tuple(x.shape)) if quantize else None)
     s = x + delta if delta is not None else x
     y = reference.rms_norm(s, weight, eps)
     return s, y, (nvfp4.quantize(y, check_finite=False) if quantize else None)
@@ -429,12 +423,11 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None
     if quantize:
         _check_quantizable(gate, "silu_mul")
     if backend == "triton":
-        from .kernels.rows import SiluMulFunction
-
         _check_triton_device(gate, "gate")
         if up.device != gate.device:
             raise ValueError(f"gate is on {gate.device} but up is on {up.device}")
-        return _with_nvfp4(_call(SiluMulFunction, gate, up, quantize, quantize and _decoded_for(gate)), gate.shape, quantize)
+        out = _call(_triton("rows").SiluMulFunction, gate, up, quantize, quantize and _decoded_for(gate))
+        return _with_nvfp4(out, gate.shape, quantize)
     h = reference.silu_mul(gate, up)
     return (h, nvfp4.quantize(h, check_finite=False)) if quantize else h
 
@@ -452,10 +445,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, backend: str 
         if c.device != x.device:
             raise ValueError(f"x is on {x.device} but rope {name} is on {c.device}")
     if backend == "triton":
-        from .kernels.rows import RopeFunction
-
         _check_triton_device(x, "x")
-        return _call(RopeFunction, x, cos, sin)
+        return _call(_triton("rows").RopeFunction, x, cos, sin)
     return reference.rope(x, cos, sin)
 
 
@@ -497,8 +488,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: to
     if cache is not None and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         raise ValueError("qk_norm_rope into a KV cache is for inference: it has no backward")
     if backend == "triton":
-        from .kernels import qk_norm_rope as kernel
-
+        kernel = _triton("qk_norm_rope")
         _check_triton_device(q, "q")
         if d & (d - 1) or d < 16:
             raise ValueError(f"the Triton qk_norm_rope needs a power-of-two head_dim >= 16, got {d}")
@@ -525,8 +515,7 @@ def log_softmax(logits: torch.Tensor, temperature: float = 1.0, *, backend: str 
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if backend == "triton":
-        from .kernels import logsoftmax as k
-
+        k = _triton("logsoftmax")
         _check_triton_device(logits, "logits")
         return k.scaled(logits, temperature) - k.lse(logits, temperature).unsqueeze(-1)
     return reference.log_softmax(logits, temperature)
@@ -540,12 +529,11 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     if logits.shape[:-1] != tokens.shape:
         raise ValueError(f"tokens {tuple(tokens.shape)} do not match logits {tuple(logits.shape)}")
     if resolve_backend(backend) == "triton":
-        from .kernels.logsoftmax import TokenLogprob
-
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         _check_triton_device(logits, "logits")
-        out = _call(TokenLogprob, logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1), float(temperature))
+        out = _call(_triton("logsoftmax").TokenLogprob, logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1),
+                    float(temperature))
         return out.reshape(tokens.shape)
     return log_softmax(logits, temperature, backend=backend).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
@@ -573,14 +561,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     if quantize:
         return _attention_quantized(q, k, v, q_pos, kv_len, scale, backend, kv_rows, out_dtype)
     if backend == "triton":
-        from .kernels.attention import AttentionFunction, attention_forward
-
+        kernel = _triton("attention")
         _check_triton_device(q, "q")
         if kv_rows is not None:
             if torch.is_grad_enabled() and q.requires_grad:
                 raise ValueError("attention over cache rows (kv_rows) is for inference: it has no backward")
-            return attention_forward(q, k, v, q_pos, kv_len, scale, kv_rows=kv_rows, out_dtype=out_dtype)
-        return _call(AttentionFunction, q, k, v, q_pos, kv_len, scale, out_dtype)
+            return kernel.attention_forward(q, k, v, q_pos, kv_len, scale, kv_rows=kv_rows, out_dtype=out_dtype)
+        return _call(kernel.AttentionFunction, q, k, v, q_pos, kv_len, scale, out_dtype)
     if kv_rows is not None:
         k, v = k[kv_rows], v[kv_rows]
     out = reference.attention(q, k, v, q_pos, kv_len, scale)
@@ -595,14 +582,11 @@ def _attention_quantized(q, k, v, q_pos, kv_len, scale: float, backend: str, kv_
     if hq * d % nvfp4.BLOCK:
         raise ValueError(f"attention(quantize=True): the output rows' width Hq * D ({hq * d}) must be a multiple of {nvfp4.BLOCK}")
     if backend == "triton" and kv_rows is not None:
-        from .kernels.attention import attention_forward, fuses_quantize
-        from .kernels.gemm import decodes_activation
-        from .kernels.quantize import as_nvfp4
-
-        if fuses_quantize(tq, hq, d, out_dtype):
+        kernel = _triton("attention")
+        if kernel.fuses_quantize(tq, hq, d, out_dtype):
             _check_triton_device(q, "q")
-            out, parts = attention_forward(q, k, v, q_pos, kv_len, scale, kv_rows=kv_rows, out_dtype=out_dtype,
-                                           quantize=True, decoded=decodes_activation(b * tq))
-            return out, as_nvfp4(parts, (b, tq, hq * d))
+            out, parts = kernel.attention_forward(q, k, v, q_pos, kv_len, scale, kv_rows=kv_rows, out_dtype=out_dtype,
+                                                  quantize=True, decoded=_triton("gemm").decodes_activation(b * tq))
+            return out, _triton("quantize").as_nvfp4(parts, (b, tq, hq * d))
     out = attention(q, k, v, q_pos, kv_len, scale=scale, backend=backend, kv_rows=kv_rows, out_dtype=out_dtype)
     return out, _quantize_activation(out.transpose(1, 2).reshape(b, tq, hq * d), backend)

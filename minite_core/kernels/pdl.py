@@ -47,8 +47,10 @@ def _supported(index: int) -> bool:
 
 def on(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL."""
-    from .gemm import interpreting  # gemm imports this module
-    return ENABLED and device.type == "cuda" and not interpreting() and _supported(device.index or 0)
+    if not ENABLED or device.type != "cuda":
+        return False
+    from .gemm import interpreting  # (gemm imports this module)
+    return not interpreting() and _supported(device.index or 0)
 
 
 def launch(device: torch.device) -> dict:
