@@ -4,11 +4,12 @@ the launches' argument handling: what an eager prefill waits on, since on the de
 docs/benchmarks.md, issue 18), the launches each makes, and with --cprofile the NVFP4 prefill's host time
 by function.
 
-    python bench/rollout_host.py [--layers 28] [--batch 16] [--prompt 16] [--repeats 5] [--cprofile]
+    python bench/rollout_host.py [--layers 28] [--batch 16] [--prompt 16] [--repeats 5] [--min] [--cprofile]
 
 The forwards are the engine's (`RolloutEngine._forward`: KV cache, slots, logits at the last prompt
 position, under no_grad) on a Qwen3 of the given depth with small widths (the host cost of a launch does
-not depend on the tensor's size). Host times are this machine's (single-threaded torch).
+not depend on the tensor's size). Host times are this machine's (single-threaded torch): medians, or with --min the
+fastest call (steadier on a shared machine, for comparing two trees).
 """
 from __future__ import annotations
 
@@ -61,8 +62,8 @@ def forwards(layers: int, precision: str, batch: int, prompt: int):
     return {"prefill": prefill, "decode": decode}
 
 
-def host_times(fn, repeats: int) -> float:
-    """Median host seconds of fn() with the Triton kernels as no-ops (one warm-up call first)."""
+def host_times(fn, repeats: int, stat=statistics.median) -> float:
+    """`stat` (median) of the host seconds of fn() with the Triton kernels as no-ops (one warm-up call first)."""
     times = []
     with without_kernels():
         for r in range(repeats + 1):
@@ -70,15 +71,15 @@ def host_times(fn, repeats: int) -> float:
             fn()
             if r:
                 times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return stat(times)
 
 
-def rollout_forwards_host(fns: dict, repeats: int = 5) -> dict:
-    """`forwards(...)` -> {"prefill" / "decode": (median host seconds, Counter of launches)} (see the module
+def rollout_forwards_host(fns: dict, repeats: int = 5, stat=statistics.median) -> dict:
+    """`forwards(...)` -> {"prefill" / "decode": (`stat` of the host seconds, Counter of launches)} (see the module
     docstring)."""
     out = {}
     for name, fn in fns.items():
-        sec = host_times(fn, repeats)
+        sec = host_times(fn, repeats, stat)
         with Launches(run_kernels=False) as mode:  # (counting costs host time: not timed)
             fn()
         out[name] = (sec, mode.counts)
@@ -91,16 +92,18 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--min", action="store_true", help="the fastest call's host time instead of the median")
     ap.add_argument("--cprofile", action="store_true", help="the NVFP4 prefill's host time by function")
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"rollout forwards, {args.layers} layers, batch {args.batch} x prompt {args.prompt}, host side "
-          f"(Triton kernels as no-ops), medians of {args.repeats}")
+          f"(Triton kernels as no-ops), {'fastest' if args.min else 'medians'} of {args.repeats}")
     print(f"{'precision':9s} | {'forward':7s} | {'host ms':>8s} | {'Triton':>6s} | {'aten':>5s}")
     fns = {}
     for precision in ("bf16", "nvfp4"):
         fns[precision] = forwards(args.layers, precision, args.batch, args.prompt)
-        for name, (sec, c) in rollout_forwards_host(fns[precision], args.repeats).items():
+        stat = min if args.min else statistics.median
+        for name, (sec, c) in rollout_forwards_host(fns[precision], args.repeats, stat).items():
             tri = sum(v for k, v in c.items() if k.startswith("triton "))
             aten = sum(v for k, v in c.items() if k.startswith("aten "))
             print(f"{precision:9s} | {name:7s} | {sec * 1e3:8.1f} | {tri:6d} | {aten:5d}")
