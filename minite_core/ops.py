@@ -71,8 +71,9 @@ def _call(fn: type[torch.autograd.Function], *args):
 
 @functools.cache
 def _triton(name: str):
-    """The Triton kernel module `kernels.<name>`, imported on first use (the torch backend runs without Triton).
-    Cached: an import statement in a function costs ~2 µs a call, and an eager forward makes hundreds of op calls."""
+    """The Triton kernel module `kernels.<name>`, imported on first use (the torch backend runs without Triton);
+    how the ops, the MoE layer and the sampler reach their kernels. Cached: an import statement in a function costs
+    ~2 µs a call, and an eager forward makes hundreds of op calls."""
     return importlib.import_module(f"{__package__}.kernels.{name}")
 
 

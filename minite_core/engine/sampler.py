@@ -91,9 +91,7 @@ def sample_batch(logits: torch.Tensor, rows: list, backend: str) -> tuple[torch.
     floats = torch.tensor([temps, thresh], dtype=torch.float32).to(dev, non_blocking=True)
     args = (ints[:, 0], ints[:, 1], floats[0], floats[1], ints[:, 2] != 0)
     if ops.resolve_backend(backend) == "triton":
-        from ..kernels.sample import sample_triton
-
-        tokens = sample_triton(logits, *args)
+        tokens = ops._triton("sample").sample_triton(logits, *args)
     else:
         tokens = sample_reference(logits, *args)
     logprobs = torch.empty(len(rows), dtype=torch.float32, device=dev)

@@ -42,8 +42,7 @@ def _experts(weights: dict, p: str, e: int, proj: str) -> list:
 
 def stacks(model, p: str) -> dict:
     """{proj: stacked NVFP4Tensor [E, N, K]} for layer prefix `p` of the model's current weights."""
-    from ..kernels.grouped_gemm import stack_experts
-
+    stack_experts = ops._triton("grouped_gemm").stack_experts
     cache = model.__dict__.setdefault("_moe_stacks", {})
     e = model.cfg.num_experts
     key = (id(model.w), p)
@@ -76,8 +75,8 @@ def restack(model, weights: dict) -> None:
 
 def grouped_moe(model, flat: torch.Tensor, p: str, top_v: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
     """The experts' weighted outputs summed per token: flat [T, H], top_v [T, k] (model dtype), top_i [T, k]."""
-    from ..kernels.grouped_gemm import grouped_gemm, moe_sort
-
+    kernels = ops._triton("grouped_gemm")
+    grouped_gemm, moe_sort = kernels.grouped_gemm, kernels.moe_sort
     e, k = model.cfg.num_experts, top_i.shape[1]
     st = stacks(model, p)
     srt = moe_sort(top_i, e)
