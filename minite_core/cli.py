@@ -110,6 +110,7 @@ def train(argv: list[str]) -> int:
     try:
         group = distributed.setup(cfg.data_parallel)  # under torchrun: this rank's place (None: one process)
         lead = group is None or group.leader
+        stopped = _stop_on_signals(lead)
         model_dir = cfg.model_path
         if not cfg.builtin_model and not (model_dir / "config.json").exists():
             raise FileNotFoundError(f"{model_dir} has no config.json (leave out --model-dir to use the built-in model)")
@@ -117,10 +118,14 @@ def train(argv: list[str]) -> int:
             install_tiny_model(model_dir, seed=cfg.seed, moe=cfg.moe)
         if group is not None:
             group.barrier()
-        history = run(cfg)
+        history = run(cfg, stop=lambda: bool(stopped))
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"minite train: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the second Ctrl-C: now, in the middle of a step
+        print("minite train: interrupted (the run directory keeps the last checkpoint; --resume continues from it)",
+              file=sys.stderr)
+        return 130
     if group is not None:
         group.barrier()
         import torch.distributed
@@ -129,6 +134,11 @@ def train(argv: list[str]) -> int:
     if not lead:
         return 0
     run_dir = Path(cfg.run_dir)
+    if stopped:
+        print(f"minite train: stopped after step {history[-1]['step'] if history else 'none'} of {cfg.steps} "
+              f"({stopped[0].name}); checkpoint: {run_dir / 'checkpoint'} (--resume continues from it)",
+              file=sys.stderr)
+        return 128 + stopped[0]
     summary = json.loads((run_dir / "summary.json").read_text())
     b, a = summary.get("before", {}), summary.get("after", {})
     k = min(10, len(history))
@@ -142,6 +152,32 @@ def train(argv: list[str]) -> int:
               f"({cfg.precision}); {len(history)} steps, {sum(m['seconds'] for m in history):.0f} s")
     print(f"metrics: {run_dir / 'metrics.jsonl'}, plot: {run_dir / 'reward_drift.png'}")
     return 0
+
+
+def _stop_on_signals(lead: bool) -> list:
+    """SIGINT / SIGTERM end `minite train` after the step in progress, which is then checkpointed (the loop's
+    `stop`); a second SIGINT stops at once (KeyboardInterrupt). Returns the list the first signal is put in.
+    SIGINT's handler is installed even where the shell started the run with SIGINT ignored (a script's
+    background job), as `minite up` does. Ranks other than 0 under torchrun ignore both: rank 0 ends the run
+    for all of them at a step boundary (torchrun SIGKILLs a rank that does not end)."""
+    import signal
+
+    stopped: list = []
+    if not lead:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        return stopped
+
+    def on_signal(signum, frame):
+        if stopped:
+            raise KeyboardInterrupt
+        stopped.append(signal.Signals(signum))
+        print(f"\nminite train: {stopped[0].name}: stopping after the step in progress (Ctrl-C again to stop now)",
+              file=sys.stderr, flush=True)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    return stopped
 
 
 SERVICES = {  # subcommands with their own settings parser (pydantic-settings: flags + MINITE_* env vars)

@@ -3,7 +3,7 @@ the learner service alike.
 
 `run(cfg)` trains for cfg.steps steps (continuing from the run directory's checkpoint with `resume`),
 evaluates before the first step, every `eval_steps` and after the last, checkpoints every
-`checkpoint_every` steps, and writes metrics.jsonl, summary.json and reward_drift.png (report.py). On a
+`checkpoint_every` steps and when `stop()` ends it early, and writes metrics.jsonl, summary.json and reward_drift.png (report.py). On a
 data-parallel learner every rank calls run(); rank 0 runs the loop and names each collective step.
 """
 from __future__ import annotations
@@ -101,7 +101,9 @@ def _lead(cfg: RunConfig, trainer: Trainer, resume: bool, progress, on_step, on_
             bar.update(task, completed=trainer.step_idx, description=report.describe(m))
             if trainer.step_idx % cfg.checkpoint_every == 0 or last:
                 trainer.checkpoint(run_dir / "checkpoint")
-    if trainer.step_idx < cfg.steps:  # stopped early (a service shutting down)
+    if trainer.step_idx < cfg.steps:  # stopped early (a service shutting down, `minite train` interrupted)
+        if trainer.step_idx > trainer.checkpoint_step:  # keep the steps done: `--resume` continues after them
+            trainer.checkpoint(run_dir / "checkpoint")
         return history
     summary["after"] = {k: v for k, v in (history[-1] if history else {}).items() if k.startswith("eval/")} \
         if history and trainer.step_idx == history[-1]["step"] else evaluate()
