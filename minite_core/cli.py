@@ -110,7 +110,7 @@ def train(argv: list[str]) -> int:
     try:
         group = distributed.setup(cfg.data_parallel)  # under torchrun: this rank's place (None: one process)
         lead = group is None or group.leader
-        stopped = _stop_on_signals(lead)
+        stopped = _stop_on_signals(graceful=group is None)
         model_dir = cfg.model_path
         if not cfg.builtin_model and not (model_dir / "config.json").exists():
             raise FileNotFoundError(f"{model_dir} has no config.json (leave out --model-dir to use the built-in model)")
@@ -154,18 +154,17 @@ def train(argv: list[str]) -> int:
     return 0
 
 
-def _stop_on_signals(lead: bool) -> list:
-    """SIGINT / SIGTERM end `minite train` after the step in progress, which is then checkpointed (the loop's
-    `stop`); a second SIGINT stops at once (KeyboardInterrupt). Returns the list the first signal is put in.
-    SIGINT's handler is installed even where the shell started the run with SIGINT ignored (a script's
-    background job), as `minite up` does. Ranks other than 0 under torchrun ignore both: rank 0 ends the run
-    for all of them at a step boundary (torchrun SIGKILLs a rank that does not end)."""
+def _stop_on_signals(graceful: bool) -> list:
+    """SIGINT / SIGTERM end a one-process `minite train` after the step in progress, which is then checkpointed
+    (the loop's `stop`); a second SIGINT stops at once (KeyboardInterrupt). Returns the list the first signal
+    is put in. SIGINT is handled even where the shell started the run with SIGINT ignored (a script's
+    background job), as `minite up` does. Under torchrun (`graceful` False) a signal stops every rank at once:
+    torchrun passes it on to the ranks and kills those that do not end, so no rank could finish a step."""
     import signal
 
     stopped: list = []
-    if not lead:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
+    if not graceful:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         return stopped
 
     def on_signal(signum, frame):
