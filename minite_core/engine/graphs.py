@@ -134,13 +134,9 @@ class StepGraphs:
         self.loaded = key
 
     def _forward(self, ids, pos, slots, logits_at=None) -> torch.Tensor:
-        serving = self.model.w
-        self.model.w = self.weights
-        try:
+        with self.model.using(self.weights):
             return self.model(ids, pos, self.cache, slots, check_ids=False, logits_at=logits_at,
                               logits_dtype=self.model.dtype)  # as the learner: see RolloutEngine._forward
-        finally:
-            self.model.w = serving
 
     def _capture(self, forward):
         """(graph, output) of `forward()` captured (after a warm-up run)."""

@@ -291,9 +291,8 @@ class RolloutEngine:
         definition, computed by it (`Learner.logprobs`) on this engine's model."""
         if len(req.prompt) < 2:
             return []
-        self.model.w = req.weights  # (as `_forward`: the model computes with the weights it is handed)
         t = req.params.temperature if req.params.temperature > 0 else 1.0
-        with torch.no_grad():
+        with torch.no_grad(), self.model.using(req.weights):
             return Learner(self.model).logprobs(req.prompt[:1], req.prompt[1:], t).tolist()
 
     def cancel(self, req: Request) -> None:
@@ -416,17 +415,13 @@ class RolloutEngine:
 
     def _forward(self, seqs: list[_Seq], ids: torch.Tensor, pos: torch.Tensor, capture, lengths=None, logits_at=None):
         """One eager forward over `seqs` (all on one weight version) with that version's weights."""
-        serving = self.model.w
-        self.model.w = seqs[0].request.weights
         slots = torch.tensor([q.slot for q in seqs]).to(self.model.device, non_blocking=True)
-        try:
+        with self.model.using(seqs[0].request.weights):
             # logits in the model dtype, exactly as the Learner takes them: on the GPU the log-softmax
             # kernel's final reduction follows the load width, so fp32 and bf16 inputs holding the same
             # values can differ in the last bit
             return self.model(ids, pos, self.cache, slots, capture=self._capture_rows(capture, seqs, lengths),
                               check_ids=False, logits_at=logits_at, logits_dtype=self.model.dtype)
-        finally:
-            self.model.w = serving
 
     def _prefill(self, seqs: list[_Seq], capture) -> None:
         """Prefill sequences of one version together, right-padded to the longest prompt (in chunks of at

@@ -227,6 +227,16 @@ class Qwen3:
         return self.linears(x, name)[0]
 
     @contextlib.contextmanager
+    def using(self, weights: dict):
+        """Within the block the model computes with `weights` (another version of its weights, same names and
+        formats: a rollout request's, a CUDA graph's copy); its own again after it, whatever happens inside."""
+        own, self.w = self.w, weights
+        try:
+            yield self
+        finally:
+            self.w = own
+
+    @contextlib.contextmanager
     def observing_inputs(self, fn):
         """Within the block, `fn(x, names)` sees the input x of every linear the forward runs (q/k/v at once;
         an MoE expert the tokens routed to it, on the per-expert path). export.calibrate measures the

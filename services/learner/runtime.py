@@ -210,14 +210,9 @@ class LearnerRuntime:
                     self.turn.acquire_behind()
                 first = False
                 try:
-                    with torch.no_grad():
-                        policy = self.trainer.policy
-                        serving, policy.w = policy.w, weights[version]
-                        try:
-                            lps = self.trainer.learner.batch_logprobs([items[i][0] for i in part],
-                                                                      [items[i][1] for i in part], temperature)
-                        finally:
-                            policy.w = serving
+                    with torch.no_grad(), self.trainer.policy.using(weights[version]):
+                        lps = self.trainer.learner.batch_logprobs([items[i][0] for i in part],
+                                                                  [items[i][1] for i in part], temperature)
                 finally:
                     self.lock.release()
                 for i, lp in zip(part, lps):

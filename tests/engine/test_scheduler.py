@@ -88,3 +88,26 @@ def test_overlapped_decode_gives_the_tokens_of_step_by_step_decode(tmp_path):
     assert not any(pending) and sum(overlapped_pending) >= 10  # (the overlap ran: steps ended with one in flight)
     reasons = [c[2] for c in plain]
     assert {"stop", "length", "abort"} <= set(reasons), reasons
+
+
+def test_prompt_logprobs_of_an_older_version_leave_new_requests_on_the_serving_weights(tmp_path):
+    """A request's prompt logprobs (REST `echo`) are computed with the weights it was sampled with; a request
+    submitted after them, once a newer version serves, runs on the newer weights (it once ran on the old ones
+    under the new version's label until the next push)."""
+    path = random_checkpoint(tmp_path / "m", TINY, seed=1, dtype=torch.float32)
+    old, new = load_model(path, precision="nvfp4"), load_model(random_checkpoint(tmp_path / "m2", TINY, seed=2,
+                                                                                 dtype=torch.float32), precision="nvfp4")
+    engine = RolloutEngine(old, max_slots=2, max_seq_len=32)
+    prompt, params = [1, 4, 5, 13, 7], SamplingParams(max_tokens=3, temperature=0.0)
+    first = engine.submit(prompt, params)
+    while engine.busy:
+        engine.step()
+    at_v0 = engine.prompt_logprobs(first)
+    engine.set_weights(new.w, version=1)
+    assert engine.prompt_logprobs(first) == at_v0  # still the version it was sampled with
+    later = engine.submit(prompt, params)
+    while engine.busy:
+        engine.step()
+    assert engine.model.w is new.w and later.weights is new.w and later.version == 1
+    on_new = RolloutEngine(new, max_slots=2, max_seq_len=32).generate([prompt], params)[0]
+    assert torch.equal(torch.tensor(later.seqs[0].logprobs), on_new.logprobs)
