@@ -303,9 +303,11 @@ class RolloutEngine:
         self._reap()
 
     def finish(self, req: Request, sample_index: int, reason: str = FINISH_STOP) -> None:
-        """End one sequence now with `reason` (a service's text stop strings); no more tokens for it."""
+        """End one sequence now with `reason` (a service's text stop strings); no more tokens for it. Called
+        from the token callback of a sequence's last token (it reached max_tokens), a stop still outranks
+        "length", as in vLLM."""
         q = req.seqs[sample_index]
-        if not q.finish:
+        if not q.finish or (q.finish == FINISH_LENGTH and reason == FINISH_STOP and q.slot >= 0):
             q.finish = reason
         self._reap()
 

@@ -127,16 +127,19 @@ class RolloutRuntime:
             if i in state["last"]:
                 m.itl.observe(now - state["last"][i])
             state["last"][i] = now
-            if stop and not finish:  # text stop strings: end the sequence once its text contains one
+            hit = False
+            if stop and finish in (None, "length"):  # text stop strings: end the sequence once its text has one
                 if i not in state["text"]:  # each sample's text, followed token by token
                     state["text"][i] = self.tokenizer.stream()
                 text = state["text"][i]
                 before = len(text.text)
-                if text.push(tok) and any(s_ in text.text[max(0, before - len(s_) + 1):] for s_ in stop):
-                    finish = "stop"  # (only a match that ends in the new text is new)
-                    self.engine.finish(req, i, "stop")
+                # (only a match that ends in the new text is new; on the last token it outranks "length")
+                hit = text.push(tok) and any(s_ in text.text[max(0, before - len(s_) + 1):] for s_ in stop)
+                finish = "stop" if hit else finish
             if on_token is not None:
                 on_token(i, tok, lp, finish)
+            if hit:  # after the token's callback: the end calls on_done, which closes a stream
+                self.engine.finish(req, i, "stop")
 
         def done(r):
             m.e2e.observe(time.perf_counter() - arrival)

@@ -199,18 +199,60 @@ def test_rest_bad_json(svc):
     assert r.status_code == 400 and r.json()["error"]["message"]
 
 
-def test_stream_stop_string_trimmed_like_unary(svc):
-    req = {"prompt": "<bos>1+1=", "max_tokens": 12, "seed": 1, "temperature": 1.5}
-    text = httpx.post(f"{svc[2]}/v1/completions", json=req, timeout=60).json()["choices"][0]["text"]
-    assert len(text) >= 2
-    req["stop"] = [text[1]]
-    unary = httpx.post(f"{svc[2]}/v1/completions", json=req, timeout=60).json()["choices"][0]["text"]
-    streamed = ""
-    with httpx.stream("POST", f"{svc[2]}/v1/completions", json=dict(req, stream=True), timeout=60) as r:
+def _streamed(url: str, req: dict) -> dict:
+    """A streamed completion's one choice, gathered: text, token ids, token logprobs, finish_reason."""
+    out = {"text": "", "token_ids": [], "token_logprobs": [], "finish_reason": None}
+    with httpx.stream("POST", f"{url}/v1/completions", json=dict(req, stream=True), timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
-                streamed += json.loads(line[6:])["choices"][0]["text"]
-    assert streamed == unary == text[: text.index(text[1])]
+                c = json.loads(line[6:])["choices"][0]
+                out["text"] += c["text"]
+                out["token_ids"] += c["token_ids"]
+                out["token_logprobs"] += (c["logprobs"] or {}).get("token_logprobs", [])
+                out["finish_reason"] = c["finish_reason"] or out["finish_reason"]
+    return out
+
+
+def _unary(url: str, req: dict) -> dict:
+    c = httpx.post(f"{url}/v1/completions", json=req, timeout=60).json()["choices"][0]
+    return {"text": c["text"], "token_ids": c["token_ids"], "token_logprobs": c["logprobs"]["token_logprobs"],
+            "finish_reason": c["finish_reason"]}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_stream_stop_string_gives_the_unary_answer(svc, seed):
+    """The token that completes a stop string is streamed too (its id, its logprob), the text trimmed as unary."""
+    from minite_core.rl.tiny import build_tokenizer
+
+    decode = build_tokenizer().decode
+    req = {"prompt": "<bos>1+1=", "max_tokens": 12, "seed": seed, "temperature": 1.5, "logprobs": 0, "ignore_eos": True}
+    full = _unary(svc[2], req)
+    assert len(full["text"]) >= 2
+    req["stop"] = [full["text"][1]]
+    unary, streamed = _unary(svc[2], req), _streamed(svc[2], req)
+    assert streamed == unary
+    n = len(unary["token_ids"])
+    assert unary["token_ids"] == full["token_ids"][:n] and unary["finish_reason"] == "stop"
+    assert req["stop"][0] in decode(full["token_ids"][:n]) and req["stop"][0] not in decode(full["token_ids"][:n - 1])
+    assert unary["text"] == full["text"][: full["text"].index(req["stop"][0])]
+
+
+def test_a_stop_string_on_the_last_allowed_token_finishes_with_stop(svc):
+    """A stop string completed by the max_tokens-th token: finish_reason "stop" (as vLLM), not "length"."""
+    from minite_core.rl.tiny import build_tokenizer
+
+    decode = build_tokenizer().decode
+    for seed in range(1, 40):  # a sample whose 4th token's text is new in it
+        req = {"prompt": "<bos>1+1=", "max_tokens": 4, "seed": seed, "temperature": 1.5, "logprobs": 0,
+               "ignore_eos": True}
+        full = _unary(svc[2], req)
+        last, head = decode(full["token_ids"][3:]), decode(full["token_ids"][:3])
+        if last and last not in head:
+            break
+    assert full["finish_reason"] == "length" and last and last not in head
+    unary, streamed = _unary(svc[2], dict(req, stop=[last])), _streamed(svc[2], dict(req, stop=[last]))
+    assert unary["finish_reason"] == "stop" and unary["token_ids"] == full["token_ids"] and unary["text"] == head
+    assert streamed == unary
 
 
 def test_chat_max_completion_tokens(svc):
