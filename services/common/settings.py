@@ -42,6 +42,8 @@ class _Common(BaseSettings):
     tls_ca: Path | None = Field(None, description="CA bundle that clients use to verify peers (learner -> rollout)")
     max_message_mb: int = Field(8, ge=5, le=64, description="gRPC message size limit, MiB, both directions "
                                                             "(above the 4 MiB largest weight chunk)")
+    max_body_mb: float = Field(8.0, gt=0, le=1024, description="REST request body limit, MiB: a larger body is "
+                               "refused (413) before it is read")
     http_header_timeout: float = Field(10.0, gt=0, le=600, description="HTTP: seconds a connection has to send a "
                                        "complete request head (slowloris clients are closed at it)")
     http_body_timeout: float = Field(30.0, gt=0, le=3600, description="HTTP: most seconds between two reads of a "
@@ -106,8 +108,6 @@ class RolloutSettings(_Common):
     max_waiting: int = Field(256, ge=1, description="queued sequences beyond which requests get 429 / RESOURCE_EXHAUSTED")
     max_tokens_limit: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
     max_n: int = Field(64, ge=1, description="largest n (samples per request)")
-    max_body_mb: float = Field(8.0, gt=0, le=1024, description="REST request body limit, MiB: a larger body is "
-                               "refused (413) before it is read")
     max_stop: int = Field(64, ge=0, le=65536, description="most `stop` strings a REST request may give")
     max_stop_chars: int = Field(1024, ge=1, le=1 << 20, description="longest `stop` string, characters")
     push_idle_timeout: float = Field(30.0, gt=0, le=3600, description="seconds without a message after which a "

@@ -1,10 +1,10 @@
 """The learner service's REST API: POST /v1/score, GET /v1/status, POST /v1/control (pause/resume), GET
 /health, GET /metrics, the OpenAPI schema at /openapi.json. With a token configured, /v1/score and
-/v1/control need `Authorization: Bearer <token>` (scoring costs the training loop compute); /v1/control
-checks it before it reads the body.
+/v1/control need `Authorization: Bearer <token>` (scoring costs the training loop compute), checked before
+any of the body is read; a body over --max-body-mb is refused (413) before it is read.
 
 Errors are {"error": {"message", "code"}} with 400 (bad request), 401 (missing or wrong token), 404
-(unknown path), 405 (wrong method), 415 (a body that is not JSON), as the OpenAPI schema lists them;
+(unknown path), 405 (wrong method), 413 (a body over the limit), 415 (a body that is not JSON), as the OpenAPI schema lists them;
 request bodies are validated strictly (no "3" for an integer). GET /health answers 503 once the training
 loop has stopped on an error (the service still answers Score and Status, but no longer trains)."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import asyncio
 import logging
 from typing import Literal
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from minite_core.engine.rollout import MAX_TEMPERATURE, MIN_TEMPERATURE
 
 from ..common.rpc import token_ok
-from ..common.http import is_json, strip_422
+from ..common.http import MIB, BodyLimit, is_json, strip_422
 from ..common.metrics import add_metrics_route
 from .runtime import LearnerRuntime, UnknownVersion
 
@@ -61,7 +61,8 @@ def _error(status: int, message: str) -> JSONResponse:
 
 def _errors(*statuses: int) -> dict:
     what = {400: "bad request (the message says which field and why)", 401: "missing or wrong token",
-            404: "a weight version the learner no longer keeps", 415: "the body is not JSON", 503: "the training loop stopped on an error, or the learner is shutting down"}
+            404: "a weight version the learner no longer keeps", 413: "the body is larger than --max-body-mb",
+            415: "the body is not JSON", 503: "the training loop stopped on an error, or the learner is shutting down"}
     return {s: {"model": ErrorBody, "description": what[s]} for s in statuses}
 
 
@@ -71,9 +72,28 @@ def loop_failed(rt: LearnerRuntime) -> bool:
     return bool(rt.last_error) and not rt.running and not rt.done and t.ident is not None and not t.is_alive()
 
 
+class TokenFirst:
+    """ASGI middleware: a request to one of `paths` without the token is answered 401 before the app reads any
+    of its body (a FastAPI dependency runs only after the body was read and parsed)."""
+
+    def __init__(self, app, token: str | None, paths: tuple[str, ...]):
+        self.app, self.token, self.paths = app, token, paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] in self.paths:
+            header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+            if not token_ok(self.token, header):
+                log.warning("refused %s: %s token", scope["path"], "missing" if not header else "wrong")
+                return await _error(401, "missing or wrong token: send 'Authorization: Bearer <token>'")(
+                    scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def build_app(rt: LearnerRuntime) -> FastAPI:
     app = FastAPI(title="miniTE learner", version="1", description="Learner logprobs, training status and control.")
     add_metrics_route(app, rt.metrics.registry)
+    app.add_middleware(BodyLimit, limit=int(rt.settings.max_body_mb * MIB), setting="--max-body-mb", error=_error)
+    app.add_middleware(TokenFirst, token=rt.settings.token, paths=("/v1/score", "/v1/control"))  # (runs first)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
@@ -88,14 +108,7 @@ def build_app(rt: LearnerRuntime) -> FastAPI:
     async def _http(request: Request, exc: StarletteHTTPException):
         return _error(exc.status_code, str(exc.detail))
 
-    def authorized(request: Request) -> None:
-        """401 unless the request carries the token (a dependency: it runs before the body is validated)."""
-        header = request.headers.get("authorization")
-        if not token_ok(rt.settings.token, header):
-            log.warning("refused %s: %s token", request.url.path, "missing" if not header else "wrong")
-            raise StarletteHTTPException(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
-
-    @app.post("/v1/score", responses=_errors(400, 401, 404, 415), dependencies=[Depends(authorized)])
+    @app.post("/v1/score", responses=_errors(400, 401, 404, 413, 415))
     async def score(body: ScoreRequest):
         try:
             lps, version = await asyncio.to_thread(rt.score, body.prompt_ids, body.completion_ids,
@@ -110,10 +123,9 @@ def build_app(rt: LearnerRuntime) -> FastAPI:
     async def status():
         return rt.status()
 
-    @app.post("/v1/control", responses=_errors(400, 401, 415), openapi_extra={"requestBody": {
+    @app.post("/v1/control", responses=_errors(400, 401, 413, 415), openapi_extra={"requestBody": {
         "required": True, "content": {"application/json": {"schema": ControlRequest.model_json_schema()}}}})
     async def control(request: Request):
-        authorized(request)  # before the body is read: an unauthenticated client gets nothing parsed
         ctype = request.headers.get("content-type", "")
         if not is_json(ctype):
             return _error(415, f"the request body must be JSON (Content-Type: application/json), got "

@@ -133,6 +133,19 @@ def test_score_needs_the_token(learner):
     assert httpx.post(f"{learner}/v1/score", json=body, timeout=30).status_code == 401
     r = httpx.post(f"{learner}/v1/score", json=body, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
     assert r.status_code == 200 and len(r.json()["logprobs"]) == 2, r.text
+    garbage = {"content": b"\x00not json" * 100, "headers": {"content-type": "text/plain"}}
+    r = httpx.post(f"{learner}/v1/score", timeout=10, **garbage)
+    assert r.status_code == 401, r.text  # checked before the body is read: not 415
+
+
+def test_learner_bodies_over_the_limit_are_413_before_they_are_read(learner):
+    big = b'{"prompt_ids": [' + b"1, " * (3 << 20) + b'1], "completion_ids": [2]}'  # ~9 MiB > --max-body-mb 8
+    for path in ("/v1/score", "/v1/control"):
+        r = httpx.post(f"{learner}{path}", content=big, headers={"content-type": "application/json",
+                                                                  "authorization": f"Bearer {TOKEN}"}, timeout=30)
+        assert r.status_code == 413 and "max-body-mb" in r.json()["error"]["message"], r.text
+        r = httpx.post(f"{learner}{path}", content=big, headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 401, r.text  # without the token: refused before the size matters
 
 
 # -- ports ----------------------------------------------------------------------------------------------------
