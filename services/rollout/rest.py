@@ -52,7 +52,7 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minite_core.engine import SamplingParams
@@ -153,6 +153,22 @@ UNSERVED = {
     "functions": ((None, []), "function calls are not served"),
     "function_call": ((None, "none"), "function calls are not served"),
     "suffix": ((None, ""), "insertion (suffix) is not served"),
+    # vLLM's sampling extensions: each would change which tokens are drawn (or what a choice's text holds)
+    "min_p": ((None, 0, 0.0), "it would change the sampled distribution away from the policy's"),
+    "min_tokens": ((None, 0), "it would change the sampled distribution away from the policy's (eos masked)"),
+    "bad_words": ((None, []), "it would change the sampled distribution away from the policy's"),
+    "allowed_token_ids": ((None, []), "it would change the sampled distribution away from the policy's"),
+    "use_beam_search": ((None, False), "beam search is not served"),
+    "length_penalty": ((None, 1, 1.0), "beam search is not served"),
+    "guided_json": ((None,), "structured output is not served"),
+    "guided_regex": ((None,), "structured output is not served"),
+    "guided_choice": ((None,), "structured output is not served"),
+    "guided_grammar": ((None,), "structured output is not served"),
+    "prompt_logprobs": ((None,), "use echo with logprobs (completions) for the prompt tokens' logprobs"),
+    "include_stop_str_in_output": ((None, False), "the text ends before the stop string, as OpenAI's"),
+    "skip_special_tokens": ((None, True), "special tokens are always left out of the text"),
+    "spaces_between_special_tokens": ((None, True), "special tokens are always left out of the text"),
+    "truncate_prompt_tokens": ((None,), "a prompt is never truncated: one too long is a 400"),
 }
 
 
@@ -170,7 +186,7 @@ class _Sampling(BaseModel):
     temperature: float = Field(1.0, ge=0, le=MAX_TEMPERATURE, description="0: greedy (logprobs are then reported at "
                                f"temperature 1); else at least {MIN_TEMPERATURE:g}")
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, description="vLLM extension: 0 keeps the whole vocabulary")
+    top_k: int = Field(0, ge=0, description="vLLM extension: 0 (or -1) keeps the whole vocabulary")
     n: int = 1
     seed: int | None = Field(None, ge=-INT64, lt=INT64, description="a 64-bit signed integer")
     stop: str | list[str] | None = None
@@ -188,6 +204,37 @@ class _Sampling(BaseModel):
     tool_choice: Any = Field(None, description='not served: only "none"')
     functions: Any = Field(None, description="not served: only []")
     function_call: Any = Field(None, description='not served: only "none"')
+    return_tokens_as_token_ids: bool = Field(False, description='vLLM extension: logprobs name tokens "token_id:N" '
+                                             "instead of by their text")
+    min_p: Any = Field(None, description="vLLM extension, not served: only 0")
+    min_tokens: Any = Field(None, description="vLLM extension, not served: only 0")
+    bad_words: Any = Field(None, description="vLLM extension, not served: only []")
+    allowed_token_ids: Any = Field(None, description="vLLM extension, not served: only []")
+    use_beam_search: Any = Field(None, description="vLLM extension, not served: only false")
+    length_penalty: Any = Field(None, description="vLLM extension, not served: only 1")
+    guided_json: Any = Field(None, description="vLLM extension, not served")
+    guided_regex: Any = Field(None, description="vLLM extension, not served")
+    guided_choice: Any = Field(None, description="vLLM extension, not served")
+    guided_grammar: Any = Field(None, description="vLLM extension, not served")
+    prompt_logprobs: Any = Field(None, description="vLLM extension, not served (completions: echo with logprobs)")
+    include_stop_str_in_output: Any = Field(None, description="vLLM extension, not served: only false")
+    skip_special_tokens: Any = Field(None, description="vLLM extension, not served: only true")
+    spaces_between_special_tokens: Any = Field(None, description="vLLM extension, not served: only true")
+    truncate_prompt_tokens: Any = Field(None, description="vLLM extension, not served")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        """OpenAI's fields are nullable and clients send null for "not given": null means the default."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items()
+                    if v is not None or k not in cls.model_fields or cls.model_fields[k].default is None}
+        return data
+
+    @field_validator("top_k", mode="before")
+    @classmethod
+    def _top_k_off(cls, v):
+        return 0 if v == -1 and not isinstance(v, bool) else v  # vLLM's "-1: the whole vocabulary"
 
     @field_validator("temperature", "top_p")
     @classmethod
@@ -207,9 +254,10 @@ class _Sampling(BaseModel):
         """400 naming the first parameter set to a value this service does not serve (UNSERVED)."""
         for name, (neutral, why) in UNSERVED.items():
             v = getattr(self, name, None)
-            if not any(v is None if x is None else (v == x and not isinstance(v, bool)) for x in neutral):
-                raise ApiError(400, f"{name}={json.dumps(v)[:80]} is not served: {why} (send "
-                               f"{json.dumps(neutral[1])} or leave it out)")
+            if not any(v is None if x is None else (v == x and isinstance(v, bool) == isinstance(x, bool))
+                       for x in neutral):
+                hint = f"send {json.dumps(neutral[1])} or leave it out" if len(neutral) > 1 else "leave it out"
+                raise ApiError(400, f"{name}={json.dumps(v)[:80]} is not served: {why} ({hint})")
         if self.best_of is not None and self.best_of != self.n:
             raise ApiError(400, f"best_of={self.best_of} is not served: only best_of == n ({self.n}); the service "
                            "does not rank candidates")
@@ -277,6 +325,8 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="tokens to sample per choice; default: the rest of the "
+                                   "context (GET /v1/models: max_model_len), at most --max-tokens-limit")
     max_completion_tokens: int | None = Field(None, description="OpenAI's newer name for max_tokens (wins if set)")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="with logprobs: the most likely "
@@ -328,7 +378,7 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
             bounds.stops(len(body.stop_token_ids or ()), stops)
             if text_chars is not None:
                 bounds.text(text_chars, "the prompt text" if isinstance(body, CompletionRequest) else
-                            "the messages' contents")
+                            "the messages' contents (with chat_template_kwargs)")
             if n_ids is not None:
                 bounds.prompt_ids(n_ids)
         except ValueError as e:
@@ -363,8 +413,19 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
     def text_of(ids) -> str:
         return rt.tokenizer.decode(list(ids)) if rt.tokenizer is not None else ""
 
-    def piece(tok: int) -> str:
-        return rt.tokenizer.id_to_token(tok) or "" if rt.tokenizer is not None else ""
+    pieces: dict[int, str] = {}
+
+    def piece(tok: int, body: _Sampling) -> str:
+        """A token's name in logprobs, as OpenAI and vLLM give it: its decoded text (" 338", not the BPE entry
+        "Ġ338"; a special token by its name; part of a character as U+FFFD, its bytes in `bytes`), or with
+        vLLM's return_tokens_as_token_ids "token_id:N"."""
+        if body.return_tokens_as_token_ids:
+            return f"token_id:{tok}"
+        if rt.tokenizer is None:
+            return ""
+        if tok not in pieces:
+            pieces[tok] = rt.tokenizer.decode([tok], skip_special_tokens=False)
+        return pieces[tok]
 
     def token_bytes(tok: int) -> list[int]:
         return list(rt.tokenizer.token_bytes(tok)) if rt.tokenizer is not None else []
@@ -448,14 +509,14 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
                     break
         return text[: len(text) - hold]
 
-    def chat_logprob(tok: int, lp: float, alts) -> dict:
-        return {"token": piece(tok), "logprob": lp, "bytes": token_bytes(tok),
-                "top_logprobs": [{"token": piece(t), "logprob": a, "bytes": token_bytes(t)} for t, a in (alts or [])]}
+    def chat_logprob(tok: int, lp: float, alts, body) -> dict:
+        return {"token": piece(tok, body), "logprob": lp, "bytes": token_bytes(tok),
+                "top_logprobs": [{"token": piece(t, body), "logprob": a, "bytes": token_bytes(t)} for t, a in (alts or [])]}
 
-    def top_dict(tok: int, lp: float, alts) -> dict:
-        """Completions' top_logprobs entry: the alternatives and the sampled token (as vLLM), by token string."""
-        d = {piece(t): a for t, a in (alts or [])}
-        d.setdefault(piece(tok), lp)
+    def top_dict(tok: int, lp: float, alts, body) -> dict:
+        """Completions' top_logprobs entry: the alternatives and the sampled token (as vLLM), by token name."""
+        d = {piece(t, body): a for t, a in (alts or [])}
+        d.setdefault(piece(tok, body), lp)
         return d
 
     async def sse(kind: str, body, reqs: list, events: asyncio.Queue, request: Request):
@@ -473,7 +534,20 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
         open_reqs = set(range(len(reqs)))
         want_lp = (body.logprobs is not None) if kind == "cmpl" else bool(body.logprobs)
         top = body.top()
+        base = {c: 0 for c in seqs}  # where a choice's completion begins in its text (after an echoed prompt)
         try:
+            if kind == "cmpl" and body.echo:  # each choice begins with the prompt, as the unary answer's text does
+                for k, req in enumerate(reqs):
+                    head, lp_part = text_of(req.prompt), None
+                    if want_lp:
+                        lps = await asyncio.to_thread(rt.prompt_logprobs, req)
+                        lp_part = {"tokens": [piece(t, body) for t in req.prompt], "token_logprobs": [None] + lps,
+                                   "top_logprobs": [None] + [{piece(t, body): lp} for t, lp in zip(req.prompt[1:], lps)],
+                                   "text_offset": offsets(req.prompt)}
+                    for q in req.seqs:
+                        base[k * n + q.sample_index] = len(head)
+                        yield _chunk(rid, obj, created, name, kind, k * n + q.sample_index, None, None, req, head,
+                                     lp_part)
             while open_reqs:
                 try:
                     ev = await asyncio.wait_for(events.get(), timeout=0.25)
@@ -504,11 +578,11 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
                 if want_lp:
                     alts = q.top[len(toks[c]) - 1] if top else None
                     if kind == "cmpl":
-                        lp_part = {"tokens": [piece(tok)], "token_logprobs": [lp],
-                                   "top_logprobs": [top_dict(tok, lp, alts)] if top else None,
-                                   "text_offset": [len(sent[c]) - len(delta)]}
+                        lp_part = {"tokens": [piece(tok, body)], "token_logprobs": [lp],
+                                   "top_logprobs": [top_dict(tok, lp, alts, body)],
+                                   "text_offset": [base[c] + len(sent[c]) - len(delta)]}
                     else:
-                        lp_part = {"content": [chat_logprob(tok, lp, alts)]}
+                        lp_part = {"content": [chat_logprob(tok, lp, alts, body)]}
                 yield _chunk(rid, obj, created, name, kind, c, tok, finish, req, delta, lp_part)
             for c, (req, q) in seqs.items():  # samples that ended without a token of their own (aborted)
                 if c not in ended:
@@ -575,11 +649,11 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
                           "token_ids": c.token_ids, "weight_version": c.weight_version, "logprobs": None}
                 if body.logprobs is not None:
                     ids, lps = list(c.token_ids), c.logprobs.tolist()
-                    tops = [top_dict(t, lp, a) for t, lp, a in zip(ids, lps, c.top_logprobs or [None] * len(ids))]
+                    tops = [top_dict(t, lp, a, body) for t, lp, a in zip(ids, lps, c.top_logprobs or [None] * len(ids))]
                     if body.echo:
-                        tops = [None] + [{piece(t): lp} for t, lp in zip(prompt[1:], prompt_lps)] + tops
+                        tops = [None] + [{piece(t, body): lp} for t, lp in zip(prompt[1:], prompt_lps)] + tops
                         ids, lps = list(prompt) + ids, [None] + prompt_lps + lps
-                    choice["logprobs"] = {"tokens": [piece(t) for t in ids], "token_logprobs": lps, "top_logprobs": tops,
+                    choice["logprobs"] = {"tokens": [piece(t, body) for t in ids], "token_logprobs": lps, "top_logprobs": tops,
                                           "text_offset": offsets(ids)}
                 choices.append(choice)
         return envelope("text_completion", "cmpl", choices, reqs, prompts)
@@ -589,10 +663,13 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
         check(body)
-        bounded(body, text_chars=sum(len(m.text()) for m in body.messages))
+        kwargs = json.dumps(body.chat_template_kwargs) if body.chat_template_kwargs else ""  # (rendered too)
+        bounded(body, text_chars=sum(len(m.text()) for m in body.messages) + len(kwargs))
         prompt = await asyncio.to_thread(chat_prompt, body)  # off the event loop: /health keeps answering
         if not prompt:
             raise ApiError(400, "the messages have no content")
+        if body.max_tokens is None:  # (OpenAI: as many as fit; a full context stays a 400 naming the sizes)
+            body.max_tokens = max(1, min(rt.context - len(prompt), rt.settings.max_tokens_limit))
         events = asyncio.Queue() if body.stream else None
         req, finished = await start(body, prompt, events)
         if body.stream:
@@ -605,7 +682,7 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
                       "weight_version": c.weight_version, "logprobs": None,
                       "message": {"role": "assistant", "content": trim(text_of(c.token_ids), stops)}}
             if body.logprobs:
-                choice["logprobs"] = {"content": [chat_logprob(t, lp, a) for t, lp, a in zip(
+                choice["logprobs"] = {"content": [chat_logprob(t, lp, a, body) for t, lp, a in zip(
                     c.token_ids, c.logprobs.tolist(), c.top_logprobs or [None] * len(c.token_ids))]}
             choices.append(choice)
         return envelope("chat.completion", "chatcmpl", choices, [req], [prompt])
@@ -639,10 +716,10 @@ def _chunk(rid, obj, created, model, kind, i, tok, finish, req, text="", logprob
     """One server-sent event: `text` is the choice's new text (held back while it may still change),
     `logprobs` the token's logprobs entry (or None)."""
     if kind == "cmpl":
-        choice = {"index": i, "text": text if tok is not None else "", "finish_reason": finish,
+        choice = {"index": i, "text": text, "finish_reason": finish,
                   "token_ids": [tok] if tok is not None else [], "weight_version": req.version, "logprobs": logprobs}
     else:
-        choice = {"index": i, "delta": {"role": "assistant", "content": text if tok is not None else ""},
+        choice = {"index": i, "delta": {"role": "assistant", "content": text},
                   "finish_reason": finish, "token_ids": [tok] if tok is not None else [], "weight_version": req.version,
                   "logprobs": logprobs}
     return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],

@@ -49,7 +49,7 @@ def ids_of(model_dir):
 def test_completions_logprobs_top_n_and_offsets(client, learner, model_dir):
     tok = ids_of(model_dir)
     r = client.completions.create(model=MODEL, prompt="The cat sat", max_tokens=6, temperature=0.8, seed=3,
-                                  logprobs=5, extra_body={"ignore_eos": True})
+                                  logprobs=5, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
     c = r.choices[0]
     lp = c.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
@@ -60,9 +60,15 @@ def test_completions_logprobs_top_n_and_offsets(client, learner, model_dir):
         assert 5 <= len(top) <= 6  # the 5 most likely, and the sampled token (as vLLM) when it is not among them
         best = sorted(top.values(), reverse=True)[:5]
         assert best == sorted(best, reverse=True) and max(top.values()) >= lp.token_logprobs[k]
+        assert f"token_id:{sampled}" in top and lp.tokens[k] == f"token_id:{sampled}"
         for piece, value in top.items():  # each alternative's logprob is the learner's for that token
-            alt = tok.token_to_id(piece)
+            alt = int(piece.removeprefix("token_id:"))
             assert value == learner.logprobs(ids[0] + ids[1][:k], [alt], 0.8).item()
+    named = client.completions.create(model=MODEL, prompt="The cat sat", max_tokens=6, temperature=0.8, seed=3,
+                                      logprobs=5, extra_body={"ignore_eos": True}).choices[0].logprobs
+    # by default a token is named by its text, as OpenAI and vLLM name it (not the BPE vocabulary entry "Ġcat")
+    assert named.tokens == [tok.decode([t], skip_special_tokens=False) for t in ids[1]]
+    assert named.token_logprobs == lp.token_logprobs
     # text_offset: where each token's text starts in the returned text
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     # (a token that ends inside a character, shown as U+FFFD by decode, begins where the character does)
@@ -80,6 +86,23 @@ def test_completions_echo_with_prompt_logprobs(client, learner):
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert lp.token_logprobs[1:len(prompt)] == learner.logprobs(prompt[:1], prompt[1:], 1.0).tolist()
     assert lp.token_logprobs[len(prompt):] == learner.logprobs(prompt, comp, 1.0).tolist()
+
+
+def test_completions_echo_streamed_gives_the_unary_answer(client):
+    kw = dict(model=MODEL, prompt="One two three", max_tokens=4, temperature=0.9, seed=5, echo=True, logprobs=2,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw).choices[0]
+    text, tokens, lps, offsets = "", [], [], []
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                lps += c.logprobs.token_logprobs
+                offsets += c.logprobs.text_offset
+    assert text == whole.text and text.startswith("One two three")
+    assert tokens == whole.logprobs.tokens and lps == whole.logprobs.token_logprobs and lps[0] is None
+    assert offsets == sorted(offsets) and offsets[-1] < len(text)
 
 
 def test_a_list_of_prompts_in_one_call(client):
@@ -164,12 +187,16 @@ def test_stream_include_usage(client):
     ("chat", "presence_penalty", 1.0), ("chat", "response_format", {"type": "json_object"}),
     ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("chat", "tool_choice", "required"), ("chat", "logit_bias", {"7": -100}),
+    ("completions", "min_p", 0.9), ("completions", "min_tokens", 3), ("chat", "use_beam_search", True),
+    ("chat", "guided_json", {"type": "object"}), ("completions", "prompt_logprobs", 1),
+    ("completions", "include_stop_str_in_output", True), ("chat", "allowed_token_ids", [1, 2]),
 ])
 def test_unserved_parameters_are_refused_by_name(client, kind, param, value):
     base = (dict(prompt="x", max_tokens=1) if kind == "completions" else
             dict(messages=[{"role": "user", "content": "x"}], max_tokens=1))
     create = client.completions.create if kind == "completions" else client.chat.completions.create
-    extra = {param: value} if param == "repetition_penalty" else {}
+    extra = {param: value} if param not in ("presence_penalty", "frequency_penalty", "logit_bias", "best_of",
+                                           "suffix", "response_format", "tools", "tool_choice") else {}
     kw = {} if extra else {param: value}
     with pytest.raises(openai.BadRequestError) as e:
         create(model=MODEL, extra_body=extra or None, **base, **kw)
@@ -183,6 +210,53 @@ def test_neutral_values_of_unserved_parameters_are_served(client):
     assert r.choices[0].finish_reason in ("stop", "length")
     r = client.completions.create(model=MODEL, prompt="x", max_tokens=1, n=2, best_of=2)
     assert len(r.choices) == 2
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={
+        "min_p": 0, "min_tokens": 0, "use_beam_search": False, "skip_special_tokens": True, "guided_json": None})
+    assert len(r.choices) == 1
+
+
+def test_null_is_the_default_and_top_k_minus_one_is_off(client, svc):
+    """OpenAI's fields are nullable (clients send null for "not given"); vLLM's top_k -1 means no top-k."""
+    import httpx
+
+    base = {"model": MODEL, "prompt": "The cat", "max_tokens": 5, "seed": 2, "temperature": 0.8, "ignore_eos": True}
+    want = httpx.post(f"{svc[2]}/v1/completions", json=base, timeout=60).json()["choices"][0]["token_ids"]
+    for extra in ({"top_p": None, "n": None, "logprobs": None, "stream": None, "echo": None, "top_k": None},
+                  {"top_k": -1}, {"top_k": 0}):
+        r = httpx.post(f"{svc[2]}/v1/completions", json={**base, **extra}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want, (extra, r.text)
+    r = httpx.post(f"{svc[2]}/v1/completions", json={**base, "max_tokens": None}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 16  # the completions default
+    r = httpx.post(f"{svc[2]}/v1/completions", json={**base, "prompt": None}, timeout=60)
+    assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]  # a required field stays required
+    r = httpx.post(f"{svc[2]}/v1/completions", json={**base, "top_k": -2}, timeout=60)
+    assert r.status_code == 400 and "top_k" in r.json()["error"]["message"]
+
+
+def test_chat_without_max_tokens_may_use_the_rest_of_the_context(client, svc):
+    """OpenAI's chat max_tokens defaults to what fits: a prompt longer than context - 16 is served."""
+    import httpx
+
+    context = client.models.list().data[0].model_extra["max_model_len"]
+    words = " ".join(["hello"] * (context - 24))  # (+ the template's ~16 tokens)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": words}], "ignore_eos": True}
+    r = httpx.post(f"{svc[2]}/v1/chat/completions", json=body, timeout=120)
+    prompt = r.json().get("prompt_token_ids", [])
+    assert r.status_code == 200 and context - 16 < len(prompt) < context, r.text[:500]
+    assert len(r.json()["choices"][0]["token_ids"]) == context - len(prompt)  # (ignore_eos: to the context's end)
+    r = httpx.post(f"{svc[2]}/v1/chat/completions", json={**body, "messages": [
+        {"role": "user", "content": words + " hello" * 20}]}, timeout=120)
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"], r.text[:500]
+
+
+def test_chat_template_kwargs_count_toward_the_text_bound(svc):
+    import httpx
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "chat_template_kwargs": {"metadata": "ab c" * 500_000}}
+    r = httpx.post(f"{svc[2]}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and "chat_template_kwargs" in r.json()["error"]["message"], r.text[:500]
+    assert r.elapsed.total_seconds() < 1.0  # refused before the template renders 2 MB into a million tokens
 
 
 @pytest.mark.parametrize("kw, words", [
