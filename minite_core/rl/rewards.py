@@ -44,6 +44,8 @@ from typing import Callable
 
 import torch
 
+F32_MAX = torch.finfo(torch.float32).max
+
 
 class RewardError(ValueError):
     """A reward function that cannot be loaded or gave an unusable result; the message names it (and the sample)."""
@@ -209,7 +211,13 @@ def compute_rewards(fns: list[RewardFunction], *, prompts: list, completions: li
     values = torch.tensor([[math.nan if v is None else v for v in per_func[f.name]] for f in fns],
                           dtype=torch.float32).reshape(len(fns), n)
     weights = torch.tensor([f.weight for f in fns], dtype=torch.float32)
-    return (values * weights[:, None]).nansum(dim=0), per_func
+    total = (values * weights[:, None]).nansum(dim=0)
+    bad = torch.nonzero(~torch.isfinite(total)).flatten().tolist()
+    if bad:  # each value was finite: the weighted sum overflowed float32 (before anything is logged or trained)
+        raise RewardError(f"the weighted reward of {where(bad[0])} is {total[bad[0]].item()} in float32: the rewards "
+                          f"{ {f.name: per_func[f.name][bad[0]] for f in fns} } times the weights "
+                          f"{ {f.name: f.weight for f in fns} } overflow; scale them down")
+    return total, per_func
 
 
 def _accepted(f: RewardFunction, kwargs: dict) -> dict:
@@ -283,10 +291,14 @@ def _check_values(f: RewardFunction, out, n: int, where) -> list:
         if not isinstance(v, numbers.Real):
             raise RewardError(f"reward function {f.name!r} returned {type(v).__name__} {_short(v)} for {where(i)}: "
                               "expected a float or None")
-        if not math.isfinite(v):
-            raise RewardError(f"reward function {f.name!r} returned {v} for {where(i)}: expected a finite float "
-                              "(None when it does not apply)")
-        values[i] = float(v)
+        try:
+            v = float(v)
+        except OverflowError:  # (an int beyond any float)
+            v = math.inf
+        if not math.isfinite(v) or abs(v) > F32_MAX:
+            raise RewardError(f"reward function {f.name!r} returned {_short(v)} for {where(i)}: expected a finite "
+                              f"float within float32's range (|r| <= {F32_MAX:.3g}; None when it does not apply)")
+        values[i] = v
     return values
 
 

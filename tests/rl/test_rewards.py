@@ -47,6 +47,15 @@ def nan_value(completions, **kwargs):
 def inf_value(completions, **kwargs):
     return [float("inf")] * len(completions)
 
+def beyond_f32(completions, **kwargs):
+    return [0.0, 1e39, 0.0, 0.0][:len(completions)]
+
+def huge_int(completions, **kwargs):
+    return [0, 0, 0, 10 ** 400][:len(completions)]
+
+def large(completions, **kwargs):
+    return [3e38] * len(completions)
+
 def raising(completions, answer, **kwargs):
     return [1.0 / int(a) for a in answer]
 
@@ -201,6 +210,8 @@ def test_import_errors_carry_the_message(tmp_path, monkeypatch):
     ("text_value", r"'text_value' returned str 'high' for sample 1 \(dataset row 11\), prompt '2\+2=': expected a float"),
     ("nan_value", r"'nan_value' returned nan for sample 2 \(dataset row 12\).*expected a finite float"),
     ("inf_value", r"'inf_value' returned inf for sample 0 \(dataset row 10\)"),
+    ("beyond_f32", r"'beyond_f32' returned 1e\+39 for sample 1 \(dataset row 11\).*float32's range"),
+    ("huge_int", r"'huge_int' returned inf for sample 3 \(dataset row 13\).*float32's range"),
     ("needs_column", r"'needs_column' needs the column\(s\) solution, which the dataset does not have "
                      r"\(columns: answer, data_source\)"),
 ])
@@ -208,6 +219,17 @@ def test_bad_results_name_the_function_and_sample(rewards_file, name, message):
     fns = load_rewards([f"{rewards_file}:correct", f"{rewards_file}:{name}"])
     with pytest.raises(RewardError, match=message):
         compute_rewards(fns, **BATCH, row_ids=[10, 11, 12, 13])
+
+
+def test_weighted_rewards_that_overflow_float32_are_refused(rewards_file):
+    """Each value fits float32, their weighted sum does not: refused before the step logs or trains on it (an
+    inf total in the trajectory log would fail every --resume of the run)."""
+    fns = load_rewards([f"{rewards_file}:large", f"{rewards_file}:large"])
+    with pytest.raises(RewardError, match=r"weighted reward of sample 0 \(dataset row 10\).* is inf in float32"):
+        compute_rewards(fns, **BATCH, row_ids=[10, 11, 12, 13])
+    fns = load_rewards([f"{rewards_file}:large"], weights=[0.5])
+    total, _ = compute_rewards(fns, **BATCH, row_ids=[10, 11, 12, 13])
+    assert torch.isfinite(total).all()
 
 
 def test_missing_columns_are_found_before_the_first_step(rewards_file):
