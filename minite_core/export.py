@@ -272,7 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibration", default=None, help="calibration sequences (default RUN_DIR/calibration.json)")
     ap.add_argument("--device", default="cpu", help="where the calibration forward runs (e.g. cuda)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    from .rl.config import usable_device
+
     try:
+        usable_device(args.device)
         out = export(args.run_dir, args.out, format=args.format, force=args.force, calibration=args.calibration,
                      device=args.device)
     except (ValueError, FileNotFoundError) as e:

@@ -44,6 +44,25 @@ def one_of(v, info):
     return v
 
 
+def usable_device(v: str) -> str:
+    """A torch device this machine has ("cpu", "cuda", "cuda:1"), else a ValueError saying why."""
+    import torch
+
+    try:
+        d = torch.device(v)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"device {v!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {v!r}: this machine has no CUDA device torch can use "
+                             "(torch.cuda.is_available() is False); use cpu")
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise ValueError(f"device {v!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif d.type != "cpu":
+        raise ValueError(f"device {v!r}: only cpu and cuda are supported")
+    return v
+
+
 SETTINGS = dict(env_prefix="MINITE_", cli_kebab_case=True, cli_implicit_flags=True, cli_exit_on_error=False)
 
 
@@ -112,6 +131,11 @@ class RunConfig(BaseSettings):
     @classmethod
     def _choices(cls, v, info):
         return one_of(v, info)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v):
+        return usable_device(v)
 
     @field_validator("rollout_correction", mode="before")
     @classmethod
@@ -185,13 +209,15 @@ def read_file(path) -> dict:
         raise ConfigError(f"{path}: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a table of keys")
-    flat = {}
+    flat, where = {}, {}
     for k, v in data.items():  # [grpo] / [data] sections are for the reader's eye: their keys are merged
-        if isinstance(v, dict) and k not in RunConfig.model_fields:
-            flat.update(v)
-        else:
-            flat[k] = v
-    return {k.replace("-", "_"): v for k, v in flat.items()}
+        for key, value, place in ([(kk, vv, f"[{k}]") for kk, vv in v.items()]
+                                  if isinstance(v, dict) and k not in RunConfig.model_fields else [(k, v, "the top level")]):
+            key = key.replace("-", "_")
+            if key in flat:  # (which one wins would be the file's order: say so instead)
+                raise ConfigError(f"{path}: {key} is set twice, at {where[key]} and in {place}")
+            flat[key], where[key] = value, place
+    return flat
 
 
 def load(cls: type[BaseSettings], argv: list[str], prog: str, *, defaults: dict | None = None):

@@ -11,7 +11,7 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from minite_core.rl.config import SETTINGS, RunConfig, one_of, parse  # noqa: F401 (parse: re-exported)
+from minite_core.rl.config import SETTINGS, RunConfig, one_of, parse, usable_device  # noqa: F401 (parse: re-exported)
 
 MB = 1 << 20
 
@@ -119,6 +119,11 @@ class RolloutSettings(_Common):
     @classmethod
     def _choices(cls, v, info):
         return one_of(v, info)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v):
+        return usable_device(v)
 
 
 class LearnerSettings(_Common, RunConfig):

@@ -259,6 +259,7 @@ def test_bad_input_is_one_line_and_exit_2(dense, tmp_path, capsys):
     busy.mkdir()
     (busy / "keep.txt").write_text("x")
     fails([run, "--out", busy], busy, "--force")
+    fails([run, "--out", tmp_path / "o", "--device", "bogus"], "'bogus' is not a torch device")
     assert export.main([str(run), "--out", str(busy), "--force"]) == 0  # replaced: no stale files remain
     assert not (busy / "keep.txt").exists() and (busy / "model.safetensors").is_file()
     fails([run, "--out", run / "x", "--force", "--calibration", tmp_path / "missing.json", "--format", "modelopt"],

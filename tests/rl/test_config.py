@@ -93,6 +93,22 @@ def test_errors_name_the_key_and_its_origin(tmp_path, monkeypatch, argv, env, wo
     assert all(w.format(**fmt) in str(e.value) for w in words), str(e.value)
 
 
+def test_a_key_set_in_two_sections_is_an_error(tmp_path):
+    f = tmp_path / "twice.toml"
+    f.write_text("steps = 1\n[grpo]\nsteps = 3\n")
+    with pytest.raises(ConfigError, match=r"twice.toml: steps is set twice, at the top level and in \[grpo\]"):
+        load(RunConfig, ["--config", str(f)], "minite train")
+
+
+@pytest.mark.parametrize("device, words", [("bogus", "is not a torch device"), ("mps", "only cpu and cuda"),
+                                           ("cuda:99", "CUDA device")])
+def test_a_device_this_machine_lacks_is_named(device, words):
+    for cls, prog in ((RunConfig, "minite train"), (LearnerSettings, "minite learner")):
+        with pytest.raises(ConfigError) as e:
+            load(cls, ["--device", device], prog)
+        assert "device (flag --device)" in str(e.value) and words in str(e.value), str(e.value)
+
+
 def test_a_bad_toml_file_is_named(tmp_path):
     bad = tmp_path / "broken.toml"
     bad.write_text("steps = = 3\n")
