@@ -73,14 +73,14 @@ def loop_failed(rt: LearnerRuntime) -> bool:
 
 
 class TokenFirst:
-    """ASGI middleware: a request to one of `paths` without the token is answered 401 before the app reads any
+    """ASGI middleware: a POST to one of `paths` without the token is answered 401 before the app reads any
     of its body (a FastAPI dependency runs only after the body was read and parsed)."""
 
     def __init__(self, app, token: str | None, paths: tuple[str, ...]):
         self.app, self.token, self.paths = app, token, paths
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] in self.paths:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in self.paths:
             header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
             if not token_ok(self.token, header):
                 log.warning("refused %s: %s token", scope["path"], "missing" if not header else "wrong")

@@ -371,14 +371,14 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
         code = {404: "not_found_error", 413: "invalid_request_error"}.get(exc.status_code, "http_error")
         return _error(exc.status_code, str(exc.detail), code)
 
-    def bounded(body: _Sampling, text_chars: int | None = None, n_ids: int | None = None) -> None:
+    def bounded(body: _Sampling, text_chars: int | None = None, n_ids: int | None = None,
+                what: str = "the prompt text") -> None:
         """The request's sizes within InputBounds (400 otherwise), checked before any tokenizing."""
         stops = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
         try:
             bounds.stops(len(body.stop_token_ids or ()), stops)
             if text_chars is not None:
-                bounds.text(text_chars, "the prompt text" if isinstance(body, CompletionRequest) else
-                            "the messages' contents (with chat_template_kwargs)")
+                bounds.text(text_chars, what)
             if n_ids is not None:
                 bounds.prompt_ids(n_ids)
         except ValueError as e:
@@ -664,7 +664,8 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
             body.max_tokens = body.max_completion_tokens
         check(body)
         kwargs = json.dumps(body.chat_template_kwargs) if body.chat_template_kwargs else ""  # (rendered too)
-        bounded(body, text_chars=sum(len(m.text()) for m in body.messages) + len(kwargs))
+        bounded(body, text_chars=sum(len(m.text()) for m in body.messages) + len(kwargs),
+                what="the messages' contents" + (" and chat_template_kwargs" if kwargs else ""))
         prompt = await asyncio.to_thread(chat_prompt, body)  # off the event loop: /health keeps answering
         if not prompt:
             raise ApiError(400, "the messages have no content")

@@ -32,7 +32,7 @@ REST_COMPLETIONS = [
     ("temperature-1e400", '{"prompt": "<bos>1+2=", "temperature": 1e400}', 400, "temperature"),
     ("top_p-nan", '{"prompt": "<bos>1+2=", "top_p": NaN}', 400, "top_p"),
     ("top_p-over-1", {"prompt": P, "top_p": 1.5}, 400, "top_p"),
-    ("top_k-negative", {"prompt": P, "top_k": -1}, 400, "top_k"),
+    ("top_k-negative", {"prompt": P, "top_k": -2}, 400, "top_k"),  # (-1: vLLM's "off", served)
     ("stop-token-id-out-of-vocab", lambda lim: {"prompt": P, "stop_token_ids": [lim["vocab"]]}, 400, "stop"),
     ("seed-2^63", {"prompt": P, "seed": 2**63}, 400, "seed"),
     ("max_tokens-string", {"prompt": P, "max_tokens": "3"}, 400, "max_tokens"),
