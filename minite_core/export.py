@@ -57,27 +57,49 @@ class ExportError(ValueError):
 
 
 def read_masters(run_dir) -> tuple[dict[str, torch.Tensor], dict, Path]:
-    """(fp32 masters by HF name, trainer.json, the checkpoint folder) of a run's latest checkpoint."""
+    """(fp32 masters by HF name, trainer.json, the checkpoint folder) of a run's latest readable checkpoint: as
+    `--resume` does, a damaged latest one (an interrupted write, a full disk) falls back to the one before it,
+    with a warning naming it."""
     from .rl.wal import candidates
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ExportError(f"{run_dir}: no such run directory")
     found = candidates(run_dir / "checkpoint")
-    ckpt = found[0] if found else None
-    if ckpt is None:
+    if not found:
         raise ExportError(f"{run_dir / 'checkpoint'}: no checkpoint (trainer.json) in this run directory")
-    meta = json.loads((ckpt / "trainer.json").read_text())
-    if (ckpt / "trainer.safetensors").is_file():
-        masters = {k[len("master/"):]: v for k, v in load_file(str(ckpt / "trainer.safetensors")).items()
-                   if k.startswith("master/")}
-    elif (ckpt / ".metadata").is_file():
-        masters = _read_dcp(ckpt)
-    else:
-        raise ExportError(f"{ckpt}: neither trainer.safetensors nor a torch.distributed.checkpoint (.metadata)")
+    problems = []
+    for ckpt in found:
+        try:
+            masters, meta = _read_checkpoint(ckpt)
+        except ExportError as e:
+            problems.append(str(e))
+            continue
+        for problem in problems:
+            print(f"minite export: warning: {problem}; exporting the previous checkpoint {ckpt}", file=sys.stderr)
+        return masters, meta, ckpt
+    raise ExportError("no checkpoint of this run can be read: " + "; ".join(problems))
+
+
+def _read_checkpoint(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    try:
+        meta = json.loads((ckpt / "trainer.json").read_text())
+        if not isinstance(meta, dict):
+            raise ExportError(f"{ckpt / 'trainer.json'}: expected a JSON object, got {type(meta).__name__}")
+        if (ckpt / "trainer.safetensors").is_file():
+            masters = {k[len("master/"):]: v for k, v in load_file(str(ckpt / "trainer.safetensors")).items()
+                       if k.startswith("master/")}
+        elif (ckpt / ".metadata").is_file():
+            masters = _read_dcp(ckpt)
+        else:
+            raise ExportError(f"{ckpt}: neither trainer.safetensors nor a torch.distributed.checkpoint (.metadata)")
+    except ExportError:
+        raise
+    except Exception as e:  # a truncated or damaged file: safetensors', json's and torch's own errors
+        raise ExportError(f"{ckpt} cannot be read ({type(e).__name__}: {e})") from None
     if not masters:
         raise ExportError(f"{ckpt}: the checkpoint holds no master weights")
-    return masters, meta, ckpt
+    return masters, meta
 
 
 def _read_dcp(ckpt: Path) -> dict[str, torch.Tensor]:

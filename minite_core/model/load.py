@@ -71,8 +71,19 @@ def load_model(path, *, precision: str = "bf16", backend: str = "torch", device=
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json")
-    cfg = Qwen3Config.from_hf(json.loads((path / "config.json").read_text()))
-    tensors, _ = checkpoint.load_checkpoint(path)
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path / 'config.json'} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path / 'config.json'}: expected a JSON object, got {type(raw).__name__}")
+    cfg = Qwen3Config.from_hf(raw)
+    try:
+        tensors, _ = checkpoint.load_checkpoint(path)
+    except (ValueError, FileNotFoundError):
+        raise
+    except Exception as e:  # a truncated *.safetensors (an interrupted download), a malformed index or quantization_config
+        raise ValueError(f"{path}: the checkpoint cannot be read ({type(e).__name__}: {e})") from None
     tensors = _split_fused_experts(tensors)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)

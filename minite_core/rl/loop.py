@@ -33,6 +33,8 @@ def run(cfg: RunConfig, *, resume: bool | None = None, progress: bool = True, ro
     """Returns the metrics of each step. For the learner service: `rollout` (see Trainer), `on_step(trainer,
     metrics)` after every step, `on_eval(metrics)` after every evaluation, `retry(exc) -> bool` to take the
     step again after a failure it recognizes (a replica down, a stale version), `stop() -> bool` to end early."""
+    if Path(cfg.run_dir).exists() and not Path(cfg.run_dir).is_dir():
+        raise ConfigError(f"run directory {cfg.run_dir} is a file, not a directory")
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     trainer = trainer or Trainer(cfg, rollout)
     if not trainer.leader:  # rank 0 runs the loop below and names each collective step

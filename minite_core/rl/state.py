@@ -106,6 +106,11 @@ def load(path, masters: dict, opt: torch.optim.Optimizer, *, group=None, module=
         missing = [n for n in names if f"master/{n}" not in tensors]
         if missing:
             raise CheckpointError(f"{path} was written for another model: it has no master for {missing[0]}")
+        wrong = [n for n in names if tensors[f"master/{n}"].shape != masters[n].shape]
+        if wrong:
+            n = wrong[0]
+            raise CheckpointError(f"{path} was written for another model: its {n} has shape "
+                                  f"{tuple(tensors[f'master/{n}'].shape)}, this model's {tuple(masters[n].shape)}")
         with torch.no_grad():
             for n in names:
                 masters[n].copy_(tensors[f"master/{n}"])

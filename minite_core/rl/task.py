@@ -97,6 +97,8 @@ class DatasetTask:
         self.rows, self.ids, self.kept = rows, {}, []
         for i in range(len(rows)):
             ids = self._render(rows[i], i, cfg.dataset)
+            if not ids:
+                raise TaskError(f"{cfg.dataset}: row {i}: the prompt is empty (no tokens)")
             if len(ids) <= budget:
                 self.ids[i] = ids
                 self.kept.append(i)
@@ -146,12 +148,22 @@ class DatasetTask:
     def _epoch(self, epoch: int) -> list[int]:
         return _order(len(self.kept), self.cfg.seed, epoch)
 
-    def eval_samples(self) -> list[Sample]:
-        out = []
-        for i in range(min(len(self.eval_rows), self.cfg.eval_max_rows)):
+    @functools.cache
+    def eval_samples(self) -> list[Sample]:  # (the same every evaluation: rendered and checked once)
+        out, rows = [], min(len(self.eval_rows), self.cfg.eval_max_rows)
+        for i in range(rows):
             s = self._sample(self.eval_rows, i, source=self.eval_source)
+            if not s.prompt_ids:
+                raise TaskError(f"{self.eval_source}: row {i}: the prompt is empty (no tokens)")
             if len(s.prompt_ids) <= self.budget:
                 out.append(s)
+        if rows and not out:
+            raise TaskError(f"{self.eval_source}: every one of its {rows} evaluated prompts is longer than "
+                            f"{self.budget} tokens (max_prompt_length {self.cfg.max_prompt_length}, context - "
+                            f"max_completion_length {self.max_completion_length})")
+        if len(out) < rows:
+            log.warning("%s: skipped %d of %d evaluation prompts longer than %d tokens", self.eval_source,
+                        rows - len(out), rows, self.budget)
         return out
 
     # -- completions -------------------------------------------------------------------------------
@@ -218,7 +230,15 @@ def make_task(cfg: RunConfig, tokenizer, context: int) -> Task:
         factory = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise TaskError(f"task {cfg.task!r} not found: {e}") from None
-    task = factory(cfg, tokenizer)
+    except Exception as e:  # the module itself fails (a syntax error, an import-time error)
+        raise TaskError(f"importing the task {cfg.task!r} failed: {type(e).__name__}: {e}") from None
+    try:
+        task = factory(cfg, tokenizer)
+    except TaskError:
+        raise
+    except Exception as e:  # (a wrong signature, an error of its own: named, not a traceback)
+        raise TaskError(f"task factory {cfg.task!r} raised {type(e).__name__}: {e} (it is called as "
+                        "factory(cfg, tokenizer))") from None
     for attr in ("draw", "score", "eval_samples", "max_completion_length", "stop_token_ids"):
         if not hasattr(task, attr):
             raise TaskError(f"task {cfg.task!r} returned {type(task).__name__}, which has no {attr!r} (see Task)")

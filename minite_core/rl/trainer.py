@@ -17,6 +17,7 @@ scores and differentiates its share of the rows (distributed.py explains the ari
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -53,7 +54,7 @@ class LocalRollout:
     def __init__(self, engine: RolloutEngine):
         self.engine = engine
 
-    def generate(self, prompts: list, params: SamplingParams) -> list:
+    def generate(self, prompts: list, params: list[SamplingParams]) -> list:
         return self.engine.generate(prompts, params)
 
     def update(self, weights: dict, version: int) -> None:
@@ -66,7 +67,7 @@ class LocalRollout:
 class Follower:
     """The rollout of a data-parallel rank other than 0: rank 0 samples and broadcasts; this one only trains."""
 
-    def generate(self, prompts: list, params: SamplingParams) -> list:
+    def generate(self, prompts: list, params: list[SamplingParams]) -> list:
         raise RuntimeError("only rank 0 samples")
 
     def update(self, weights: dict, version: int) -> None:
@@ -309,7 +310,11 @@ class Trainer:
         return outs, scores, False
 
     def _generate(self, prompts: list, params: SamplingParams) -> list:
-        outs = self.rollout.generate(prompts, params)
+        """Sample `params` for each prompt, each prompt with a seed of its own (derived from params.seed): one
+        seed for all would give sample j of every prompt the same random draws (a request seeds its samples
+        seed, seed + 1, ... whatever its prompt), correlating the batch."""
+        per_prompt = [dataclasses.replace(params, seed=(params.seed * 1_000_033 + r) % 2**62) for r in range(len(prompts))]
+        outs = self.rollout.generate(prompts, per_prompt)
         stale = {o.weight_version for o in outs} - {self.version}
         if stale:  # off-policy by construction: the caller must re-sync the rollout and retry
             raise StaleRollout(f"rollout sampled with weight version(s) {sorted(stale)}, the learner is at {self.version}")

@@ -115,14 +115,15 @@ class RemoteRollout:
         self.sync_lock = threading.Lock()  # one fan-out at a time: the arena holds one version
 
     # -- generation -----------------------------------------------------------------------------
-    def generate(self, prompts: list, params: SamplingParams) -> list[Completion]:
+    def generate(self, prompts: list, params: list[SamplingParams]) -> list[Completion]:
+        """Prompt r sampled with params[r] (the Trainer gives each prompt its own seed), on the live replicas."""
         live = self.live()
         calls = []
-        for r, prompt in enumerate(prompts):
+        for r, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             rep = live[r % len(live)]
             req = pb.GenerateRequest(prompt_ids=pb.TokenIds(ids=prompt), params=pb.SamplingParams(
-                max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                seed=params.seed, stop_token_ids=list(params.stop_token_ids), n=params.n))
+                max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                seed=p.seed, stop_token_ids=list(p.stop_token_ids), n=p.n))
             calls.append((r, rep, self.pool.submit(self._generate_one, rep, req)))
         out = []
         for r, rep, fut in calls:

@@ -298,3 +298,24 @@ def test_a_plain_checkpoint_holds_no_nvfp4(tmp_path):
     checkpoint.save_checkpoint(tmp_path, {"a.weight": torch.ones(8, 32)}, fmt=None,
                                config={"model_type": "qwen3", "quantization_config": {"quant_method": "modelopt"}})
     assert checkpoint.detect_format(tmp_path) is None  # a stale quantization_config is not carried over
+
+
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(dense, tmp_path, capsys):
+    """As --resume does: the latest checkpoint truncated (an interrupted write), the previous one is exported,
+    with a warning naming the damaged one; none readable: one line naming both, exit 2."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(dense["run"], run)
+    shutil.copytree(run / "checkpoint", run / "checkpoint.prev")
+    latest = run / "checkpoint" / "trainer.safetensors"
+    latest.write_bytes(latest.read_bytes()[:1000])
+    assert export.main([str(run), "--out", str(tmp_path / "o")]) == 0
+    err = capsys.readouterr().err
+    assert "warning" in err and str(run / "checkpoint") in err and "cannot be read" in err, err
+    assert str(run / "checkpoint.prev") in err
+    (run / "checkpoint.prev" / "trainer.json").write_text("[1, 2]")
+    assert export.main([str(run), "--out", str(tmp_path / "o2")]) == 2
+    err = capsys.readouterr().err
+    assert "no checkpoint of this run can be read" in err and "expected a JSON object" in err, err
+    assert "Traceback" not in err and err.count("\n") == 1

@@ -130,3 +130,19 @@ def test_a_users_own_task_trains_with_zero_drift(service_model, tmp_path):
     assert all("rewards/eos_first/mean" in m for m in rows) and "eval/reward" in rows[-1]
     scored = [json.loads(x) for x in (tmp_path / "scored.jsonl").read_text().splitlines()]
     assert [s["step"] for s in scored if s["n"] == 2 * 2] == [1, 2]  # (evaluations score 3)
+
+
+@pytest.mark.parametrize("name, source, words", [
+    ("bad_task_a", "def make():\n    return None\n", r"task factory 'bad_task_a:make' raised TypeError.*factory\(cfg, tokenizer\)"),
+    ("bad_task_b", "def make(cfg, tokenizer):\n    raise KeyError('split')\n", r"raised KeyError: 'split'"),
+    ("bad_task_c", "def make(cfg, tokenizer)\n    pass\n", r"importing the task 'bad_task_c:make' failed: SyntaxError"),
+])
+def test_a_task_that_fails_is_named(tmp_path, monkeypatch, name, source, words):
+    """A user's factory that cannot be imported or called is a TaskError naming it (`minite train`: one line)."""
+    from minite_core.rl.config import RunConfig
+    from minite_core.rl.task import TaskError, make_task
+
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(TaskError, match=words):
+        make_task(RunConfig(task=f"{name}:make", run_dir=str(tmp_path / "r")), tokenizer=None, context=64)

@@ -139,3 +139,36 @@ def test_build_model_cli_copies_the_shipped_model(tmp_path):
     assert r.returncode == 0 and "shipped" in r.stdout, r.stderr
     for f in SHIPPED.iterdir():
         assert (tmp_path / "m" / f.name).read_bytes() == f.read_bytes()
+
+
+def test_each_prompt_of_a_step_has_random_draws_of_its_own(tiny, tmp_path):
+    """One seed for a whole step gave sample j of every prompt the same draws: the same prompt twice in a batch
+    came back with the same completions. Each prompt now gets a seed of its own (the step's, mixed with its
+    place), so the two copies are sampled independently; the step stays reproducible."""
+    from minite_core.engine import SamplingParams
+
+    trainer = Trainer(_cfg(tiny, tmp_path / "r", temperature=1.0))
+    prompt = trainer.task.draw(1, 1)[0].prompt_ids
+    params = SamplingParams(max_tokens=8, temperature=1.0, n=4, seed=123)
+    outs = trainer._generate([prompt, prompt], params)
+    first, second = [[o.token_ids for o in outs if o.request_index == r] for r in (0, 1)]
+    assert first != second
+    again = trainer._generate([prompt, prompt], params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+
+
+def test_resuming_with_another_model_of_the_same_names_is_named(tiny, tmp_path):
+    import dataclasses
+
+    from minite_core.model.random_init import random_checkpoint
+    from minite_core.rl.state import CheckpointError
+    from minite_core.rl.tiny import TINY, write_tokenizer
+
+    a = Trainer(_cfg(tiny, tmp_path / "a"))
+    a.checkpoint(tmp_path / "a" / "checkpoint")
+    other = random_checkpoint(tmp_path / "other", dataclasses.replace(TINY, intermediate_size=2 * TINY.intermediate_size))
+    write_tokenizer(other)
+    b = Trainer(_cfg(other, tmp_path / "b"))
+    with pytest.raises(CheckpointError, match=r"written for another model: its model\.layers\.0\.mlp\.\w+_proj\.weight "
+                                              r"has shape \(\d+, \d+\), this model's \(\d+, \d+\)"):
+        b.load(tmp_path / "a" / "checkpoint")

@@ -267,6 +267,14 @@ BAD = {
                        ["'f' needs the column(s) solution", "answer, data_source"]),
     "all prompts too long": (["--max-prompt-length", "4"], None, ["train.jsonl", "every one of its 12 prompts",
                                                                    "longer than 4 tokens"]),
+    "beyond float32": (["--reward", "{tmp}/r.py:f", "--reward-weights", "1"],
+                       _write("r.py", "def f(prompts, completions, completion_ids, **kw):\n    return [1e39] * len(prompts)\n"),
+                       ["'f' returned 1e+39", "float32"]),
+    "empty prompt": (["--dataset", "{tmp}/d.jsonl"], _write("d.jsonl", '{"prompt": "", "answer": "2", "data_source": "add"}\n'),
+                     ["d.jsonl", "row 0", "the prompt is empty"]),
+    "eval prompts all too long": (["--eval-dataset", "{tmp}/e.jsonl"],
+                                  _write("e.jsonl", json.dumps({"prompt": "9 " * 2000, "answer": "2", "data_source": "add"})),
+                                  ["e.jsonl", "every one of its 1 evaluated prompts is longer than"]),
     "unknown key": (["--config", "{tmp}/c.toml"], None, ["c.toml", "unknown key(s) stepz"]),
     "wrong type": (["--config", "{tmp}/c.toml"], None, ["c.toml", "top_p", "valid number", "'high'"]),
     "unknown flag": (["--num-generation", "4"], None, ["--num-generation"]),
@@ -281,6 +289,36 @@ def test_bad_input_is_named(user, tmp_path, case):
         bad = {"unknown key": "stepz = 3", "wrong type": "top_p = 'high'"}[case]
         (tmp_path / "c.toml").write_text(bad + "\n" + (user / "run.toml").read_text())
     _bad(user, tmp_path, *flags, words=words, setup=setup)
+
+
+def _damaged_model(user, tmp_path, damage):
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in (user / "model").iterdir():
+        (model / f.name).symlink_to(f)
+    name, text = damage
+    (model / name).unlink(missing_ok=True)
+    (model / name).write_bytes(text(user / "model" / name))
+    return model
+
+
+DAMAGED = {
+    "truncated safetensors": (("model.safetensors", lambda f: f.read_bytes()[:1000]), ["model", "cannot be read"]),
+    "config not an object": (("config.json", lambda f: b"[1, 2]"), ["config.json", "expected a JSON object"]),
+    "config not JSON": (("config.json", lambda f: b"{'a': 1"), ["config.json", "is not valid JSON"]),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGED, ids=list(DAMAGED))
+def test_a_damaged_model_folder_is_named(user, tmp_path, case):
+    damage, words = DAMAGED[case]
+    _bad(user, tmp_path, "--model-dir", _damaged_model(user, tmp_path, damage), words=words)
+
+
+def test_a_run_dir_that_is_a_file_is_named(user, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    r = _minite("train", "--config", user / "run.toml", "--run-dir", tmp_path / "afile", "--steps", 1, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "is a file, not a directory" in r.stderr, r.stderr
 
 
 def test_template_that_fails_to_render_names_the_row(user, tmp_path):
