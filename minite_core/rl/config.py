@@ -21,7 +21,7 @@ from pathlib import Path
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, CliSettingsSource, SettingsConfigDict, SettingsError
 
-from .grpo import CORRECTIONS, LOSS_TYPES, GRPOConfig
+from .grpo import CORRECTIONS, LOSS_TYPES, SCALE_REWARDS, GRPOConfig
 
 BUILTIN_MODEL = Path("runs/tiny-model")  # where the built-in tiny model is built on first use
 BUILTIN_MOE_MODEL = Path("runs/tiny-moe")
@@ -118,7 +118,8 @@ class RunConfig(BaseSettings):
     epsilon: float = Field(0.2, ge=0, description="PPO clip range of the importance ratio (lower side; and upper unless epsilon_high)")
     epsilon_high: float | None = Field(None, ge=0, description="upper clip (DAPO's clip-higher); unset: = epsilon")
     loss_type: str = Field("grpo", description="grpo, dapo or dr_grpo")
-    scale_rewards: bool = Field(True, description="divide advantages by the group's reward std")
+    scale_rewards: str = Field("group", description="TRL's: group (divide advantages by the group's reward std), "
+                               "batch (by the whole batch's), none (Dr. GRPO); true / false read as group / none")
     rollout_correction: str | None = Field("tis", description="tis, mis_token, mis_seq or none")
     tis_cap: float = Field(2.0, ge=1, description="truncation of the rollout-correction importance weights")
     seed: int = Field(0, description="sampling seeds and the order of the dataset's rows")
@@ -136,6 +137,14 @@ class RunConfig(BaseSettings):
     @classmethod
     def _device(cls, v):
         return usable_device(v)
+
+    @field_validator("scale_rewards", mode="before")
+    @classmethod
+    def _scale(cls, v):
+        v = {True: "group", False: "none", "true": "group", "false": "none"}.get(v, v) if isinstance(v, (bool, str)) else v
+        if v not in SCALE_REWARDS:
+            raise ValueError(f"scale_rewards must be group, batch or none (or true / false), not {v!r}")
+        return v
 
     @field_validator("rollout_correction", mode="before")
     @classmethod

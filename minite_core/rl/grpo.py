@@ -1,7 +1,7 @@
 """GRPO with rollout correction, as pure functions on padded [B, L] tensors (B = prompts x generations).
 
 Advantages are group-normalized: A = (r - mean_group(r)) / (std_group(r) + 1e-4), or r - mean_group(r)
-with `scale_rewards=False` (Dr. GRPO). The per-token objective is PPO's clipped surrogate,
+with `scale_rewards="none"` (Dr. GRPO). The per-token objective is PPO's clipped surrogate,
 
     ratio = exp(logp - logp_old)                                 (logp_old: the learner's, detached)
     loss  = -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A) * w  + beta * k3(ref)
@@ -21,6 +21,7 @@ import torch
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 CORRECTIONS = (None, "tis", "mis_token", "mis_seq")
+SCALE_REWARDS = ("group", "batch", "none")  # TRL's scale_rewards
 
 
 @dataclasses.dataclass
@@ -30,7 +31,7 @@ class GRPOConfig:
     epsilon_high: float | None = None  # None: = epsilon
     beta: float = 0.0
     loss_type: str = "grpo"
-    scale_rewards: bool = True
+    scale_rewards: str = "group"  # group, batch or none (TRL's)
     temperature: float = 1.0
     max_completion_length: int = 8
     rollout_correction: str | None = "tis"
@@ -47,14 +48,20 @@ class GRPOConfig:
             raise ValueError("need epsilon >= 0, tis_cap >= 1, beta >= 0, temperature > 0")
 
 
-def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: bool = True) -> torch.Tensor:
-    """rewards [B] (groups of num_generations consecutive samples) -> advantages [B]."""
+def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:
+    """rewards [B] (groups of num_generations consecutive samples) -> advantages [B]: each reward less its
+    group's mean, divided (TRL's `scale_rewards`) by the group's reward std ("group"), the whole batch's
+    ("batch") or nothing ("none", Dr. GRPO)."""
     if rewards.numel() % num_generations:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {num_generations}")
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, not {scale_rewards!r}")
     g = rewards.float().view(-1, num_generations)
     adv = g - g.mean(1, keepdim=True)
-    if scale_rewards:
+    if scale_rewards == "group":
         adv = adv / (g.std(1, keepdim=True) + 1e-4)
+    elif scale_rewards == "batch":
+        adv = adv / (g.std() + 1e-4)
     return adv.reshape(-1)
 
 

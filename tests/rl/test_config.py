@@ -93,6 +93,17 @@ def test_errors_name_the_key_and_its_origin(tmp_path, monkeypatch, argv, env, wo
     assert all(w.format(**fmt) in str(e.value) for w in words), str(e.value)
 
 
+@pytest.mark.parametrize("given, read", [("group", "group"), ("batch", "batch"), ("none", "none"), ("true", "group"),
+                                         ("false", "none")])
+def test_scale_rewards_takes_trls_values(given, read, tmp_path):
+    assert load(RunConfig, ["--scale-rewards", given], "minite train").scale_rewards == read
+    f = tmp_path / "run.toml"
+    f.write_text(f"scale_rewards = {given if given in ('true', 'false') else json.dumps(given)}\n")  # (true: a TOML bool)
+    assert load(RunConfig, ["--config", str(f)], "minite train").scale_rewards == read
+    with pytest.raises(ConfigError, match="scale_rewards must be group, batch or none"):
+        load(RunConfig, ["--scale-rewards", "std"], "minite train")
+
+
 def test_a_key_set_in_two_sections_is_an_error(tmp_path):
     f = tmp_path / "twice.toml"
     f.write_text("steps = 1\n[grpo]\nsteps = 3\n")

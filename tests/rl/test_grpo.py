@@ -14,7 +14,11 @@ def test_group_advantages():
     s = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0, 1]
     assert torch.allclose(a[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (s + 1e-4))
     assert torch.equal(a[4:], torch.zeros(4))
-    assert torch.equal(group_advantages(r, 4, scale_rewards=False)[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]))
+    assert torch.equal(group_advantages(r, 4, scale_rewards="none")[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]))
+    b = math.sqrt(sum((x - 0.75) ** 2 for x in r.tolist()) / 7)  # TRL's "batch": the whole batch's std
+    assert torch.allclose(group_advantages(r, 4, scale_rewards="batch")[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (b + 1e-4))
+    with pytest.raises(ValueError, match="scale_rewards"):
+        group_advantages(r, 4, scale_rewards=True)
     with pytest.raises(ValueError, match="groups"):
         group_advantages(r[:7], 4)
 
