@@ -45,6 +45,7 @@ from typing import Callable
 import torch
 
 F32_MAX = torch.finfo(torch.float32).max
+RESERVED = {"prompts", "completions", "completion_ids", "trainer_state"}  # a reward function's own arguments
 
 
 class RewardError(ValueError):
@@ -164,6 +165,10 @@ def required_columns(fn: RewardFunction) -> list[str]:
 
 def check_columns(fns: list[RewardFunction], columns) -> None:
     """RewardError when a function needs a column (keyword argument) that the dataset does not have."""
+    reserved = sorted(set(columns) & RESERVED)
+    if reserved:  # (TRL's call would fail with "got multiple values", blaming the function; or drop the column)
+        raise RewardError(f"the dataset has a column named {reserved[0]!r}, which reward functions receive as an "
+                          f"argument of their own ({', '.join(sorted(RESERVED))}): rename the column")
     have = set(columns) | {"trainer_state"}
     for f in fns:
         missing = [c for c in required_columns(f) if c not in have]
@@ -197,7 +202,7 @@ def compute_rewards(fns: list[RewardFunction], *, prompts: list, completions: li
         if not f.is_async:
             try:
                 outputs[f.name] = f.fn(**call, **_accepted(f, kwargs))
-            except Exception as e:
+            except (Exception, SystemExit) as e:  # (sys.exit() in a reward would end the run without a word)
                 raise _raised(f, e, call, kwargs, where) from e
     pending = [f for f in fns if f.is_async]
     if pending:
@@ -268,7 +273,7 @@ def _raised(f: RewardFunction, e: BaseException, call: dict, kwargs: dict, where
             r = _run_async([functools.partial(f.fn, **one, **extra)])[0] if f.is_async else f.fn(**one, **extra)
             if isinstance(r, BaseException):
                 raise r
-        except Exception:
+        except (Exception, SystemExit):
             culprit = f" on {where(i)}"
             break
     return RewardError(f"reward function {f.name!r} raised {type(e).__name__}{f': {e}' if str(e) else ''}{culprit}")

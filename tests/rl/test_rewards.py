@@ -232,6 +232,19 @@ def test_weighted_rewards_that_overflow_float32_are_refused(rewards_file):
     assert torch.isfinite(total).all()
 
 
+def test_a_reward_that_exits_is_named(tmp_path):
+    (tmp_path / "r.py").write_text("import sys\ndef f(completions, **kw):\n    sys.exit(3)\n")
+    fns = load_rewards([f"{tmp_path}/r.py:f"])
+    with pytest.raises(RewardError, match=r"'f' raised SystemExit"):
+        compute_rewards(fns, **BATCH, row_ids=[10, 11, 12, 13])
+
+
+def test_a_column_named_as_a_reward_argument_is_refused(rewards_file):
+    fns = load_rewards([f"{rewards_file}:correct"])
+    with pytest.raises(RewardError, match=r"column named 'completions'.*rename the column"):
+        check_columns(fns, ["prompt", "answer", "completions"])
+
+
 def test_missing_columns_are_found_before_the_first_step(rewards_file):
     fns = load_rewards([f"{rewards_file}:correct", f"{rewards_file}:needs_column", "reasoning_gym"]
                        if _has_gym() else [f"{rewards_file}:correct", f"{rewards_file}:needs_column"])
