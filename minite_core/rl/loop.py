@@ -58,6 +58,8 @@ def _lead(cfg: RunConfig, trainer: Trainer, resume: bool, progress, on_step, on_
         if not resume:  # (resume without a checkpoint: a crash before the first one; its batches replay from step 1)
             wal_file.unlink(missing_ok=True)
             (run_dir / "calibration.json").unlink(missing_ok=True)
+        elif not wal_file.exists():  # (a mistyped --run-dir would otherwise start afresh without a word)
+            log.warning("--resume: %s holds no checkpoint and no trajectory log: starting at step 1", run_dir)
     trainer.wal = TrajectoryLog(wal_file)
     pending = sorted(s for s in trainer.wal.records if s > trainer.step_idx)
     if pending:
