@@ -172,3 +172,9 @@ def test_resuming_with_another_model_of_the_same_names_is_named(tiny, tmp_path):
     with pytest.raises(CheckpointError, match=r"written for another model: its model\.layers\.0\.mlp\.\w+_proj\.weight "
                                               r"has shape \(\d+, \d+\), this model's \(\d+, \d+\)"):
         b.load(tmp_path / "a" / "checkpoint")
+
+
+def test_resume_with_nothing_to_resume_from_says_so(tiny, tmp_path, caplog):
+    with caplog.at_level("WARNING"):
+        run(_cfg(tiny, tmp_path / "mistyped", steps=1, resume=True), progress=False)
+    assert "holds no checkpoint and no trajectory log: starting at step 1" in caplog.text
