@@ -61,7 +61,10 @@ def load_rows(spec: str) -> Sequence[dict]:
         if path.suffix.lower() not in readers:
             raise DataError(f"{path}: unknown dataset format {path.suffix or '(no extension)'!r}; "
                             "expected .jsonl, .json, .csv or .parquet")
-        rows = readers[path.suffix.lower()](path)
+        try:
+            rows = readers[path.suffix.lower()](path)
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
     check_rows(rows, str(path))
     return rows
 
@@ -128,7 +131,7 @@ def _same_columns(rows: list[dict]) -> list[dict]:
 
 def _jsonl(path: Path) -> list[dict]:
     rows = []
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8-sig") as f:  # (a BOM, as Windows tools write, is dropped)
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -144,7 +147,7 @@ def _jsonl(path: Path) -> list[dict]:
 
 def _json(path: Path) -> list[dict]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
     except json.JSONDecodeError as e:
         if e.msg == "Extra data":  # JSON lines in a .json file
             return _jsonl(path)
@@ -155,7 +158,7 @@ def _json(path: Path) -> list[dict]:
 
 
 def _csv(path: Path) -> list[dict]:
-    with path.open(encoding="utf-8", newline="") as f:
+    with path.open(encoding="utf-8-sig", newline="") as f:
         reader = csv.DictReader(f)
         rows = []
         for row in reader:

@@ -220,3 +220,17 @@ def test_reasoning_gym_settings_and_errors(offline):
         load_rows("reasoning_gym:chain_sum?terms=3")
     with pytest.raises(DataError, match=r"system='chatty' is not one of reasoning-gym's system prompts"):
         load_rows("reasoning_gym:chain_sum?system=chatty")
+
+
+def test_a_byte_order_mark_is_read_and_other_encodings_are_named(tmp_path):
+    """Windows tools start UTF-8 files with a BOM: read as UTF-8. A Latin-1 file: one error naming it."""
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "d.jsonl").write_bytes(bom + '{"prompt": "caf\u00e9?", "answer": "1"}\n'.encode())
+    (tmp_path / "d.json").write_bytes(bom + '[{"prompt": "caf\u00e9?", "answer": "1"}]'.encode())
+    (tmp_path / "d.csv").write_bytes(bom + "prompt,answer\ncaf\u00e9?,1\n".encode())
+    for name in ("d.jsonl", "d.json", "d.csv"):
+        rows = load_rows(str(tmp_path / name))
+        assert list(rows[0]) == ["prompt", "answer"] and rows[0]["prompt"] == "caf\u00e9?", (name, rows[0])
+    (tmp_path / "latin.jsonl").write_bytes('{"prompt": "caf\u00e9?", "answer": "1"}\n'.encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin.jsonl: not UTF-8 text.*save it as UTF-8"):
+        load_rows(str(tmp_path / "latin.jsonl"))
