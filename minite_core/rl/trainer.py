@@ -355,7 +355,10 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------------
     def _checkpoint(self, path) -> None:
-        meta = {"step": self.step_idx, "weight_version": self.version, "config": self.cfg.run_fields()}
+        config = self.cfg.run_fields()
+        if config.get("model_dir"):  # absolute: `minite export` reads it from any working directory
+            config["model_dir"] = str(Path(config["model_dir"]).resolve())
+        meta = {"step": self.step_idx, "weight_version": self.version, "config": config}
         write_atomically(path, lambda p: state.save(p, self.masters, self.state.opt, meta, group=self.group,
                                                     module=self.module), group=self.group)
         if self.wal is not None:  # kept from the previous checkpoint on: it is the fallback (state.py)

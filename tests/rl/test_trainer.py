@@ -178,3 +178,13 @@ def test_resume_with_nothing_to_resume_from_says_so(tiny, tmp_path, caplog):
     with caplog.at_level("WARNING"):
         run(_cfg(tiny, tmp_path / "mistyped", steps=1, resume=True), progress=False)
     assert "holds no checkpoint and no trajectory log: starting at step 1" in caplog.text
+
+
+def test_a_checkpoint_names_the_model_folder_absolutely(tiny, tmp_path, monkeypatch):
+    """A run started with a relative --model-dir: the checkpoint holds the absolute folder, so `minite export`
+    finds the model from any working directory."""
+    monkeypatch.chdir(tiny.parent)
+    t = Trainer(_cfg(tiny.name, tmp_path / "r"))
+    t.checkpoint(tmp_path / "r" / "checkpoint")
+    meta = json.loads((tmp_path / "r" / "checkpoint" / "trainer.json").read_text())
+    assert meta["config"]["model_dir"] == str(tiny.resolve())
