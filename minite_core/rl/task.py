@@ -113,6 +113,9 @@ class DatasetTask:
         self.budget = budget
         if cfg.eval_dataset is not None:
             self.eval_rows, self.eval_source = data.load_rows(cfg.eval_dataset), cfg.eval_dataset
+            if len(self.eval_rows) and data.prompt_format(self.eval_rows) != self.format:  # (the rewards see one kind)
+                raise TaskError(f"eval dataset {cfg.eval_dataset}: its prompts are {data.prompt_format(self.eval_rows)} "
+                                f"but {cfg.dataset}'s are {self.format}: the reward functions see one format")
             try:
                 rewards.check_columns(self.rewards, _columns(self.eval_rows))
             except rewards.RewardError as e:
