@@ -77,6 +77,9 @@ class DatasetTask:
             raise TaskError(f"{cfg.model_path} has no tokenizer.json: a dataset task needs the model's tokenizer")
         self.cfg, self.tokenizer = cfg, tokenizer
         self.stop_token_ids = tuple(cfg.stop_token_ids) if cfg.stop_token_ids is not None else tuple(tokenizer.eos_token_ids)
+        if not self.stop_token_ids and cfg.stop_token_ids is not None:
+            raise TaskError("stop_token_ids is empty: a completion would never stop before max_completion_length; "
+                            "leave it out to stop at the tokenizer's eos id(s)")
         if not self.stop_token_ids:
             raise TaskError(f"{cfg.model_path}: the tokenizer has no eos id (generation_config.json eos_token_id, "
                             "config.json eos_token_id or tokenizer_config.json eos_token): set stop_token_ids")

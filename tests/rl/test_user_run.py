@@ -279,6 +279,7 @@ BAD = {
     "eval format differs": (["--eval-dataset", "{tmp}/e.jsonl"],
                             _write("e.jsonl", json.dumps({"prompt": "1+1=", "answer": "2", "data_source": "add"})),
                             ["e.jsonl", "prompts are standard", "conversational"]),
+    "empty stop ids": (["--stop-token-ids", "[]"], None, ["stop_token_ids is empty"]),
     "unknown key": (["--config", "{tmp}/c.toml"], None, ["c.toml", "unknown key(s) stepz"]),
     "wrong type": (["--config", "{tmp}/c.toml"], None, ["c.toml", "top_p", "valid number", "'high'"]),
     "unknown flag": (["--num-generation", "4"], None, ["--num-generation"]),
