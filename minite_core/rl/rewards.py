@@ -240,7 +240,10 @@ def _run_async(calls: list[Callable]) -> list:
     """Await the calls' coroutines concurrently; from sync code in one fresh event loop (in a worker thread when
     this thread already runs a loop). Exceptions, a call's own included, come back as values."""
     async def one(call):
-        return await call()
+        try:
+            return await call()
+        except SystemExit as e:  # (asyncio re-raises it from the loop: a value here, as the sync path's)
+            return e
 
     async def gather():
         return await asyncio.gather(*(one(c) for c in calls), return_exceptions=True)

@@ -233,10 +233,12 @@ def test_weighted_rewards_that_overflow_float32_are_refused(rewards_file):
 
 
 def test_a_reward_that_exits_is_named(tmp_path):
-    (tmp_path / "r.py").write_text("import sys\ndef f(completions, **kw):\n    sys.exit(3)\n")
-    fns = load_rewards([f"{tmp_path}/r.py:f"])
-    with pytest.raises(RewardError, match=r"'f' raised SystemExit"):
-        compute_rewards(fns, **BATCH, row_ids=[10, 11, 12, 13])
+    (tmp_path / "r.py").write_text("import sys\ndef f(completions, **kw):\n    sys.exit(3)\n"
+                                   "async def g(completions, **kw):\n    raise SystemExit(4)\n")
+    for name in ("f", "g"):
+        fns = load_rewards([f"{tmp_path}/r.py:{name}"])
+        with pytest.raises(RewardError, match=rf"'{name}' raised SystemExit"):
+            compute_rewards(fns, **BATCH, row_ids=[10, 11, 12, 13])
 
 
 def test_a_column_named_as_a_reward_argument_is_refused(rewards_file):
