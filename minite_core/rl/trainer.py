@@ -54,7 +54,7 @@ class LocalRollout:
     def __init__(self, engine: RolloutEngine):
         self.engine = engine
 
-    def generate(self, prompts: list, params: list[SamplingParams]) -> list:
+    def generate(self, prompts: list, params: SamplingParams | list[SamplingParams]) -> list:
         return self.engine.generate(prompts, params)
 
     def update(self, weights: dict, version: int) -> None:
@@ -67,7 +67,7 @@ class LocalRollout:
 class Follower:
     """The rollout of a data-parallel rank other than 0: rank 0 samples and broadcasts; this one only trains."""
 
-    def generate(self, prompts: list, params: list[SamplingParams]) -> list:
+    def generate(self, prompts: list, params: SamplingParams | list[SamplingParams]) -> list:
         raise RuntimeError("only rank 0 samples")
 
     def update(self, weights: dict, version: int) -> None:

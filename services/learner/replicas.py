@@ -115,8 +115,11 @@ class RemoteRollout:
         self.sync_lock = threading.Lock()  # one fan-out at a time: the arena holds one version
 
     # -- generation -----------------------------------------------------------------------------
-    def generate(self, prompts: list, params: list[SamplingParams]) -> list[Completion]:
-        """Prompt r sampled with params[r] (the Trainer gives each prompt its own seed), on the live replicas."""
+    def generate(self, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+        """Prompt r sampled with params[r] (the Trainer gives each prompt its own seed), or all with one
+        SamplingParams (as RolloutEngine.generate), on the live replicas."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
         live = self.live()
         calls = []
         for r, (prompt, p) in enumerate(zip(prompts, params, strict=True)):

@@ -177,8 +177,23 @@ class StreamOptions(BaseModel):
     include_usage: bool = Field(False, description="a last chunk with the request's usage and no choices")
 
 
+def _nullable_in_schema(schema: dict, model) -> None:
+    """OpenAPI: an optional field accepts null, read as its default (`_Sampling._null_is_the_default`)."""
+    for name, prop in schema.get("properties", {}).items():
+        f = model.model_fields.get(name)
+        if f is None or f.is_required() or f.default is None:
+            continue
+        if "anyOf" in prop:
+            if {"type": "null"} not in prop["anyOf"]:
+                prop["anyOf"].append({"type": "null"})
+            continue
+        keep = {k: prop.pop(k) for k in ("title", "description", "default") if k in prop}
+        schema["properties"][name] = {"anyOf": [dict(prop), {"type": "null"}], **keep}
+
+
 class _Sampling(BaseModel):
-    model_config = ConfigDict(strict=True)  # no coercion: "3" is not an integer, 1 is not a boolean
+    # (strict: no coercion, "3" is not an integer, 1 is not a boolean)
+    model_config = ConfigDict(strict=True, json_schema_extra=_nullable_in_schema)
 
     model: str | None = None
     max_tokens: int = Field(16, ge=1, description="tokens to sample per choice; prompt + max_tokens must fit the "
