@@ -3,8 +3,9 @@ the learner service alike.
 
 `run(cfg)` trains for cfg.steps steps (continuing from the run directory's checkpoint with `resume`),
 evaluates before the first step, every `eval_steps` and after the last, checkpoints every
-`checkpoint_every` steps and when `stop()` ends it early, and writes metrics.jsonl, summary.json and reward_drift.png (report.py). On a
-data-parallel learner every rank calls run(); rank 0 runs the loop and names each collective step.
+`checkpoint_every` steps and when `stop()` ends it early, and writes metrics.jsonl, summary.json and
+reward_drift.png (report.py). On a data-parallel learner every rank calls run(); rank 0 runs the loop and
+names each collective step.
 """
 from __future__ import annotations
 
