@@ -60,25 +60,19 @@ def read_masters(run_dir) -> tuple[dict[str, torch.Tensor], dict, Path]:
     """(fp32 masters by HF name, trainer.json, the checkpoint folder) of a run's latest readable checkpoint: as
     `--resume` does, a damaged latest one (an interrupted write, a full disk) falls back to the one before it,
     with a warning naming it."""
-    from .rl.wal import candidates
+    from .rl.wal import newest_readable
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ExportError(f"{run_dir}: no such run directory")
-    found = candidates(run_dir / "checkpoint")
-    if not found:
+    skipped = []
+    found = newest_readable(run_dir / "checkpoint", _read_checkpoint, ExportError, lambda c, e: skipped.append(e))
+    if found is None:
         raise ExportError(f"{run_dir / 'checkpoint'}: no checkpoint (trainer.json) in this run directory")
-    problems = []
-    for ckpt in found:
-        try:
-            masters, meta = _read_checkpoint(ckpt)
-        except ExportError as e:
-            problems.append(str(e))
-            continue
-        for problem in problems:
-            print(f"minite export: warning: {problem}; exporting the previous checkpoint {ckpt}", file=sys.stderr)
-        return masters, meta, ckpt
-    raise ExportError("no checkpoint of this run can be read: " + "; ".join(problems))
+    ckpt, (masters, meta) = found
+    for e in skipped:
+        print(f"minite export: warning: {e}; exporting the previous checkpoint {ckpt}", file=sys.stderr)
+    return masters, meta, ckpt
 
 
 def _read_checkpoint(ckpt: Path) -> tuple[dict[str, torch.Tensor], dict]:

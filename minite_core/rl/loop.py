@@ -20,7 +20,7 @@ from .rewards import RewardError
 from .state import CheckpointError, RunDirInUse
 from .task import TaskError
 from .trainer import ReplayMismatch, Trainer
-from .wal import TrajectoryLog, candidates
+from .wal import TrajectoryLog, newest_readable
 
 log = logging.getLogger("minite.train")
 
@@ -121,18 +121,16 @@ def _lead(cfg: RunConfig, trainer: Trainer, resume: bool, progress, on_step, on_
 def _resume_from(trainer: Trainer, path: Path) -> Path | None:
     """Load the newest checkpoint that can be read (a warning names each one that cannot); None when there is
     none; CheckpointError naming every file when none of them can be read."""
-    problems = []
-    for ckpt in candidates(path):
-        try:
-            trainer.load(ckpt)
-        except CheckpointError as e:
-            log.warning("cannot resume from %s (%s); trying the checkpoint before it", ckpt, e)
-            problems.append(str(e))
-            continue
-        if problems:
-            log.warning("resumed from the previous checkpoint %s (step %d); the trajectory log replays the steps "
-                        "after it", ckpt, trainer.step_idx)
-        return ckpt
-    if problems:
-        raise CheckpointError("no checkpoint of this run can be read: " + "; ".join(problems))
-    return None
+    skipped = []
+
+    def skip(ckpt, e):
+        skipped.append(ckpt)
+        log.warning("cannot resume from %s (%s); trying the checkpoint before it", ckpt, e)
+
+    found = newest_readable(path, trainer.load, CheckpointError, skip)
+    if found is None:
+        return None
+    if skipped:
+        log.warning("resumed from the previous checkpoint %s (step %d); the trajectory log replays the steps "
+                    "after it", found[0], trainer.step_idx)
+    return found[0]

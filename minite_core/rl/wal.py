@@ -145,6 +145,23 @@ def write_atomically(path, write, group=None) -> None:
         group.barrier()
 
 
+def newest_readable(path, read, error: type[Exception], on_skip=None):
+    """(checkpoint, read(checkpoint)) for the newest of `candidates(path)` that `read` accepts (it raises `error`
+    for one that cannot be read; `on_skip(checkpoint, exc)` hears of each); None when there is none; `error`
+    naming every problem when none can be read. `--resume` and `minite export` both walk the checkpoints so."""
+    problems = []
+    for ckpt in candidates(path):
+        try:
+            return ckpt, read(ckpt)
+        except error as e:
+            problems.append(str(e))
+            if on_skip is not None:
+                on_skip(ckpt, e)
+    if problems:
+        raise error("no checkpoint of this run can be read: " + "; ".join(problems))
+    return None
+
+
 def candidates(path) -> list[Path]:
     """The checkpoint directories to resume from, newest first: `path` (or `<path>.old` if a crash fell
     between the renames), then `<path>.prev`, the one before."""
