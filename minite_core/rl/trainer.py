@@ -313,8 +313,9 @@ class Trainer:
         """Sample `params` for each prompt, each prompt with a seed of its own (derived from params.seed): one
         seed for all would give sample j of every prompt the same random draws (a request seeds its samples
         seed, seed + 1, ... whatever its prompt), correlating the batch."""
-        per_prompt = [dataclasses.replace(params, seed=(params.seed * 1_000_033 + r) % 2**62) for r in range(len(prompts))]
-        outs = self.rollout.generate(prompts, per_prompt)
+        if params.seed is not None:
+            params = [dataclasses.replace(params, seed=(params.seed * 1_000_033 + r) % 2**62) for r in range(len(prompts))]
+        outs = self.rollout.generate(prompts, params)
         stale = {o.weight_version for o in outs} - {self.version}
         if stale:  # off-policy by construction: the caller must re-sync the rollout and retry
             raise StaleRollout(f"rollout sampled with weight version(s) {sorted(stale)}, the learner is at {self.version}")
