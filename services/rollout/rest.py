@@ -599,9 +599,11 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
                     else:
                         lp_part = {"content": [chat_logprob(tok, lp, alts, body)]}
                 yield _chunk(rid, obj, created, name, kind, c, tok, finish, req, delta, lp_part)
-            for c, (req, q) in seqs.items():  # samples that ended without a token of their own (aborted)
-                if c not in ended:
-                    yield _chunk(rid, obj, created, name, kind, c, None, q.finish, req)
+            for c, (req, q) in seqs.items():  # samples that ended without a token of their own (aborted):
+                if c not in ended:  # the end, with the text held back so far (the whole decode, as unary)
+                    text = trim(text_of(toks[c]), stops)
+                    delta = text[len(sent[c]):] if text.startswith(sent[c]) else ""
+                    yield _chunk(rid, obj, created, name, kind, c, None, q.finish, req, delta)
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": name,
                                              "choices": [], "usage": usage(reqs)}) + "\n\n"

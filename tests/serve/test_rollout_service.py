@@ -508,6 +508,44 @@ def test_abort_mode_aborts_in_flight(svc, service_model, stub):
             assert not e.HasField("logprob")
 
 
+def test_an_aborted_stream_sends_the_text_it_held_back(svc, service_model, stub):
+    """A streamed choice holds back text that could still grow into a stop string; when a weight push with
+    abort cuts it, the last event sends that text: the streamed text is the decode of its tokens, as the
+    unary answer's would be."""
+    from minite_core.rl.addition import CHARS, build_tokenizer
+
+    decode = build_tokenizer().decode
+    v = stub.GetWeightVersion(pb.GetWeightVersionRequest()).version
+    # every character starts a stop string that never completes: each unfinished text's last character is held
+    req = {"prompt": "<bos>1+4=", "max_tokens": 27, "n": 4, "seed": 11, "temperature": 1.5, "ignore_eos": True,
+           "stream": True, "stop": [c + "<" for c in CHARS]}
+    choices, refused, started, done = {}, [], threading.Event(), threading.Event()
+
+    def go():
+        try:
+            with httpx.stream("POST", f"{svc[2]}/v1/completions", json=req, timeout=120) as r:
+                if r.status_code != 200:
+                    refused.append(r.read().decode())
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        c = json.loads(line[6:])["choices"][0]
+                        mine = choices.setdefault(c["index"], {"text": "", "ids": [], "finish": None})
+                        mine["text"] += c["text"]
+                        mine["ids"] += c["token_ids"]
+                        mine["finish"] = c["finish_reason"] or mine["finish"]
+                        started.set()
+        finally:
+            done.set()
+    threading.Thread(target=go, daemon=True).start()
+    assert started.wait(60), refused
+    push(stub, new_weights(service_model, seed=7), v + 1, abort_in_flight=True)
+    assert done.wait(60)
+    cut = [c for c in choices.values() if c["finish"] == "abort" and c["ids"]]
+    assert cut, "the push landed after every sample had finished"
+    for c in cut:
+        assert c["text"] == decode(c["ids"]) != ""
+
+
 def test_tls(service_model, tmp_path):
     """gRPC over TLS when configured: a client that trusts the (self-signed) cert works, plaintext does not."""
     import subprocess
