@@ -15,7 +15,7 @@ pointers cannot happen: the graph never sees other tensors). The buffers hold on
 the engine replays graphs only for sequences on the newest version and runs older, draining versions
 eagerly.
 
-Prefill graphs (opt-in, `RolloutEngine(prefill_graphs=True)`): an eager prefill is host-bound on a GPU (hundreds
+Prefill graphs (on by default with the decode graphs; `RolloutEngine(prefill_graphs=False)`: eager): an eager prefill is host-bound on a GPU (hundreds
 of launches, each tens of µs of Python, for a few ms of GPU work), so a prefill can replay a graph too, one per
 (rows bucket, length bucket): b prompts right-padded to t positions run as `bucket(b)` x `length_bucket(t)`
 (`pad_prefill`): padding rows decode dummy tokens into the scratch row, padding positions write cache entries

@@ -12,22 +12,22 @@ Hopper-specific part: a Blackwell path would hand the same packed bytes and scal
 `nvfp4.to_blocked`) to a native block-scaled MMA instead. `grouped_gemm.py` runs the same tile
 (`w4a4_tile`) over the experts of a MoE layer.
 
-Tiles by M (`gemm_config`): M <= 128 takes swapped narrow tiles, the weight tile as the MMA's first
+Tiles by M (`gemm_config`): M <= SWAP_MAX_M takes swapped narrow tiles, the weight tile as the MMA's first
 operand (wgmma M = 64 rows of w per warpgroup, from registers) and the activations as its N, BLOCK_M =
-16, 32, 64 or 128 (the narrowest power of two >= M); larger M takes 128x256 / 128x128 tiles with x as
+16, 32, 64 or 128 (the narrowest power of two >= M; 128-row tiles above 128; SWAP_MAX_M = 256); larger M takes 128x256 / 128x128 tiles with x as
 the first operand. BLOCK_K (128 on the GPU) is one constant for every M, and there is no autotuning.
 The plain GEMM has the same two families (BLOCK_K = 64, one chain over K, no chunks): swapped narrow
-tiles for M <= 128 (a decode step's bf16 linears and lm_head), 128x128 above.
+tiles for M <= SWAP_MAX_M (a decode step's bf16 linears and lm_head), 128x128 above.
 
 K chunks (`k_chunks(N, K)`, a function of (N, K) only): the K loop is cut into S chunks of equal step
 count (S a power of two dividing cdiv(K, BLOCK_K), at most 4; S > 1 where N alone gives too few programs
 to fill the GPU, e.g. S = 4 for N = K = 1024). The reduction order for (N, K) is then: per chunk, the MMA chain
 from zero over the chunk's steps (c_i); across chunks total = ((0 + c0) + c1) + ... in fp32, left to
-right; then the epilogue. M <= 128 (SPLIT): grid (tiles, S), program (t, i) writes c_i of its tile to
+right; then the epilogue. M <= SWAP_MAX_M (SPLIT): grid (tiles, S), program (t, i) writes c_i of its tile to
 an fp32 scratch [S, M, N] (torch.empty in the launcher: no sync, graph-capturable); the tile's last
 program to finish (a per-tile arrival counter: a CTA barrier, then an acq_rel atomic at GPU scope, the
 partials read back past L1) adds the S partials in chunk order and applies the epilogue, so no second
-launch (COMBINE_IN_KERNEL; False: `_combine_kernel` does the same additions). M > 128 and the grouped kernel: one program
+launch (COMBINE_IN_KERNEL; False: `_combine_kernel` does the same additions). M > SWAP_MAX_M and the grouped kernel: one program
 walks the chunks in order, a second accumulator `total` in registers (`w4a4_tile` with CHUNKED; chunks of
 one step start each step's chain from no accumulator and add it into `total`, without selects), no
 scratch; with S > 1 the wide tile is 128x128 (a 128x256 tile with two accumulators would spill).
@@ -290,7 +290,7 @@ def _step_operands(a_ptr, as_ptr, b_ptr, bs_ptr, offs_m, mask_m, offs_n, mask_n,
 @triton.jit
 def _mma_step(acc, a_even, a_odd, b_even, b_odd, SWAP_AB: tl.constexpr):
     """acc + the step's products, evens then odds, k16 chunks low to high (acc None: wgmma's zero-input
-    form). SWAP_AB (M <= 128): the weight tile is the MMA's first operand, kept in registers, and acc is the
+    form). SWAP_AB (M <= SWAP_MAX_M): the weight tile is the MMA's first operand, kept in registers, and acc is the
     transposed tile [BLOCK_N, BLOCK_M]."""
     if SWAP_AB:
         acc = tl.dot(b_even, tl.trans(a_even), acc)
@@ -510,7 +510,7 @@ def _gemm_kernel(
             acc = w4a4_epilogue(acc, ags_ptr, stride_ags, _pick(seg, bgs0, bgs1, bgs2, NSEG), _pick(seg, sg0, sg1, sg2, NSEG),
                                 offs_m, mask_m, offs_n, mask_n)
             _store_out(acc, bias_ptr, c_ptr, N, offs_m, mask_m, offs_n, mask_n, HAS_BIAS)
-    else:  # plain: one chain over K in BLOCK_K steps; SWAP_AB (M <= 128): w is the MMA's first operand
+    else:  # plain: one chain over K in BLOCK_K steps; SWAP_AB (M <= SWAP_MAX_M): w is the MMA's first operand
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -590,11 +590,13 @@ SMALL_M_TILES = True
 # chain over K for every M, so the same bits), where 128x128 tiles did 8x the MMA work at M = 16 and gave
 # N = 1024 eight programs. False: 128x128 for every M.
 SMALL_M_PLAIN = True
-# SWAP_MAX_M (set below) raised: more rows take several 128-row swapped tiles (same bits). On an H100 (2026-12-07, fourth session,
-# docs/benchmarks.md) a b256 decode step took 1-9% less at 512 than at 128 (NVFP4 0.6B 9.09 -> 8.97 ms, 1.7B 12.30 ->
-# 11.18; BF16 6.75 -> 6.55, 8.60 -> 8.33); the default stays 128 until the GPU tests have run with a raised bound.
-# MINITE_SWAP_MAX_M (read at import; the bits do not depend on it) sets another bound.
-DEFAULT_SWAP_MAX_M = 128
+# SWAP_MAX_M (set below) above 128: more rows take several 128-row swapped tiles (same bits). On an H100 (2026-12-07, fourth
+# session, docs/benchmarks.md) a b256 decode step took 1-9% less at 512 than at 128 (NVFP4 0.6B 9.09 -> 8.97 ms, 1.7B
+# 12.30 -> 11.18; BF16 6.75 -> 6.55, 8.60 -> 8.33); the GPU tests passed at 256 (2026-12-08), the default since.
+# MINITE_SWAP_MAX_M (read at import; the bits do not depend on it) sets another bound. Under the CPU interpreter
+# (the tests) the bound is 128: the same two tile families meet there, for half the rows a wide-tile test interprets.
+DEFAULT_SWAP_MAX_M = 256
+INTERPRETER_SWAP_MAX_M = 128
 SWAP_CONFIGS = {  # BLOCK_M (the swapped MMA's N) -> the rest of the tile; BLOCK_K is fixed below
     16: dict(BLOCK_N=64, num_warps=4, num_stages=4),
     32: dict(BLOCK_N=64, num_warps=4, num_stages=4),
@@ -646,7 +648,8 @@ WIDE_PACKED_MAX_M = _wide_packed_from_env()
 
 
 def _swap_bound_from_env() -> int:
-    return _env_count("MINITE_SWAP_MAX_M", DEFAULT_SWAP_MAX_M, lambda n: n >= 1, "a row count >= 1")
+    default = INTERPRETER_SWAP_MAX_M if interpreting() else DEFAULT_SWAP_MAX_M
+    return _env_count("MINITE_SWAP_MAX_M", default, lambda n: n >= 1, "a row count >= 1")
 
 
 SWAP_MAX_M = _swap_bound_from_env()

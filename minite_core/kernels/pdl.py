@@ -17,7 +17,7 @@ completed), and a kernel launched without the attribute (torch's) waits for the 
 Nothing changes in what a program computes, so the bits are those of the plain launch.
 
 What a kernel may do before its wait: work on registers, and prefetch into L2 (`prefetch_rows`). The
-decode GEMMs (swapped tiles, M <= 128) prefetch their weight rows there, so the weight stream, the bytes a
+decode GEMMs (swapped tiles, M <= SWAP_MAX_M) prefetch their weight rows there, so the weight stream, the bytes a
 decode step is made of, overlaps the previous kernel instead of starting after it.
 
 Off by default: on the H200 a decode layer's kernels took the same time with and without it, within the

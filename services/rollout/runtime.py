@@ -42,7 +42,8 @@ class RolloutRuntime:
         self.tokenizer = model.tokenizer  # minite_core.tokenizer.Tokenizer, or None (token ids only)
         self.eos_token_ids = model.tokenizer.eos_token_ids if model.tokenizer is not None else ()  # REST stops on them
         self.engine = RolloutEngine(model, max_slots=settings.max_slots, max_seq_len=settings.max_seq_len,
-                                    overlap=None if settings.overlap else False, prefill_graphs=settings.prefill_graphs)
+                                    overlap=None if settings.overlap else False,  # (None: on where CUDA graphs run)
+                                    prefill_graphs=None if settings.prefill_graphs else False)
         self.expected = {n: describe(t) for n, t in model.w.items()}  # what a weight push must contain
         self.lock = threading.Condition()  # an RLock inside: callbacks run on the loop thread, lock held
         self.turns = CountedLock(self.lock)  # threads waiting for it: the loop lets them in between two steps

@@ -134,10 +134,10 @@ def test_linear_matches_fp64_reference(backend, wkind, scale_mode):
     assert y.dtype == x.dtype
 
 
-INVARIANCE_MS = [1, 5, 16, 17, 40, 64, 100, 128, 129, 300]
-# (N, K, S = the K chunks): S = 1 (one chain), S > 1 split over programs (M <= 128) or walked in one (M > 128)
+INVARIANCE_MS = [1, 5, 16, 17, 40, 64, 100, 128, 129, 256, 257, 300]  # (the swap bound: 128 interpreted, 256 on the GPU)
+# (N, K, S = the K chunks): S = 1 (one chain), S > 1 split over programs (M <= SWAP_MAX_M) or walked in one (M > SWAP_MAX_M)
 # (on the CPU interpreter one shape per chunk count, K not a power of two where it splits: CI time)
-# (the K chunks' walk for M > 128 has three forms, `gemm.walk_mode`: on the CPU K = 224 at S = 2 gives chunks
+# (the K chunks' walk for M > SWAP_MAX_M has three forms, `gemm.walk_mode`: on the CPU K = 224 at S = 2 gives chunks
 # of 2 steps of 64, at S = 4 one-step chunks; on the GPU 12288 x 4096 chunks of 16 steps (a loop over chunks),
 # 6144 x 2000 of 4, 2048 x 512 of one; test_the_shapes_cover_both_walks)
 INVARIANCE_SHAPES = ([(40, 64, 1), (100, 224, 2), (40, 224, 4)] if DEVICE == "cpu" else
@@ -165,7 +165,7 @@ def test_the_shapes_cover_both_walks():
 def test_w4a4_gemm_rows_do_not_depend_on_the_tile_config(wkind, n, k, chunks):
     """The W4A4 kernel picks its tile by M (swapped narrow tiles of 16/32/64/128 columns up to M = 128,
     wide tiles above) and, where (N, K) has K chunks, runs them in separate programs plus a combine kernel
-    (M <= 128) or in sequence in one program (M > 128): gemm(x[:1]) == gemm(x)[:1] and every row of an
+    (M <= SWAP_MAX_M) or in sequence in one program (M > SWAP_MAX_M): gemm(x[:1]) == gemm(x)[:1] and every row of an
     M-row product == the same row of the 300-row product, bit for bit, for M across every bucket."""
     from minite_core.kernels.gemm import gemm_config, gemm_triton, k_chunks
 
@@ -207,7 +207,7 @@ def test_w4a4_gemm_rows_do_not_depend_on_the_tile_config(wkind, n, k, chunks):
 @pytest.mark.parametrize("decode_wide", [True, False])
 def test_the_long_chunk_walk_equals_the_split_programs(monkeypatch, decode_wide):
     """Chunks of LONG_CHUNK_STEPS steps or more are walked by a loop over chunks around a loop over steps
-    (CHUNKED = 3): the bits of the split programs (M <= 128) that compute each chunk alone. On the CPU the
+    (CHUNKED = 3): the bits of the split programs (M <= SWAP_MAX_M) that compute each chunk alone. On the CPU the
     threshold is lowered so that a test shape (chunks of 2 steps) takes that walk."""
     from minite_core.kernels import gemm
 
@@ -229,16 +229,17 @@ def test_the_long_chunk_walk_equals_the_split_programs(monkeypatch, decode_wide)
 @pytest.mark.skipif(not HAS_TRITON, reason="triton missing")
 @pytest.mark.parametrize("n,k,chunks", INVARIANCE_SHAPES, ids=lambda v: str(v))
 def test_wide_tiles_on_decoded_operands_equal_the_packed_kernel(monkeypatch, n, k, chunks):
-    """M > 128 decodes both operands once (`decode_nvfp4`: fp16 code * scale, each K step's evens then its
+    """M > SWAP_MAX_M decodes both operands once (`decode_nvfp4`: fp16 code * scale, each K step's evens then its
     odds) and runs the same tile on them: the bits of the tile that decodes the packed bytes itself."""
     from minite_core.kernels import gemm
 
+    m = gemm.SWAP_MAX_M + 44  # the wide tiles' rows
     w = _weights(n, k, seed=41)["nvfp4-tensor"]
-    xq = nvfp4.quantize(_rand(200, k, seed=42) * torch.logspace(-4, 2, 200, device=DEVICE).unsqueeze(1))
-    assert gemm.gemm_config(200, n, k, True)["DECODED"]
+    xq = nvfp4.quantize(_rand(m, k, seed=42) * torch.logspace(-4, 2, m, device=DEVICE).unsqueeze(1))
+    assert gemm.gemm_config(m, n, k, True)["DECODED"]
     decoded = gemm.gemm_triton(xq, w, None, torch.float32)
     monkeypatch.setattr(gemm, "DECODE_WIDE", False)
-    assert not gemm.gemm_config(200, n, k, True)["DECODED"]
+    assert not gemm.gemm_config(m, n, k, True)["DECODED"]
     assert torch.equal(decoded, gemm.gemm_triton(xq, w, None, torch.float32))
     # the decoded layout: code * block scale, each K step as its even elements then its odd ones, zeros past K
     bk = 64 if gemm.interpreting() else gemm.FP4_BLOCK_K
@@ -260,14 +261,14 @@ def test_a_weight_decoded_at_its_requantize_gives_the_gemm_its_bits(monkeypatch,
     with monkeypatch.context() as mp:
         mp.setattr(gemm, "OPERANDS_DECODED_ONCE", False)
         off, = ops.quantize_weights([_rand(n, k, seed=43) * 0.05], backend="triton", decoded=True)
-        assert off.decoded is None and not gemm.decodes_activation(200)
+        assert off.decoded is None and not gemm.decodes_activation(gemm.SWAP_MAX_M + 44)
 
     master = _rand(n, k, seed=43) * 0.05
     plain, = ops.quantize_weights([master], backend="triton")
     cached, = ops.quantize_weights([master], backend="triton", decoded=True)
     assert plain.decoded is None and cached.decoded is not None
     assert cached.decoded.shape == (n, -(-k // gemm.fp4_block_k()) * gemm.fp4_block_k())
-    for m in (1, 16, 200):
+    for m in (1, 16, gemm.SWAP_MAX_M + 44):
         x = nvfp4.quantize(_rand(m, k, seed=44 + m))
         assert torch.equal(gemm.gemm_triton(x, cached, None, torch.float32), gemm.gemm_triton(x, plain, None, torch.float32)), m
 
@@ -320,11 +321,11 @@ def test_every_model_linear_gets_the_rollout_kernels_bits_from_the_learners_deco
 @pytest.mark.parametrize("op", ["quantize", "rms_norm", "silu_mul", "linear"])
 def test_an_activation_for_wide_tiles_carries_its_decoded_form(op):
     """The ops that quantize an activation write its decoded form (`NVFP4Tensor.decoded`) where its rows
-    meet the decoded wide tiles (M > 128): == the GEMM's own decode of the codes, the same codes as without
+    meet the decoded wide tiles (M > SWAP_MAX_M): == the GEMM's own decode of the codes, the same codes as without
     it, and the linears on it give the bits of the linears decoding it themselves. K = 208: a part step."""
     from minite_core.kernels import gemm
 
-    m, k = 198, 208
+    m, k = 3 * (gemm.SWAP_MAX_M // 3 + 14), 208  # the wide tiles' rows, in 3 x rows
     assert gemm.decodes_activation(m) and not gemm.decodes_activation(16)
     x, other = _rand(3, m // 3, k, seed=45), _rand(3, m // 3, k, seed=46)  # 3-D: [rows, K] decoded
     w = _rand(k, seed=47).abs() + 0.5
@@ -358,7 +359,7 @@ def test_an_activation_for_wide_tiles_carries_its_decoded_form(op):
 @pytest.mark.skipif(not HAS_TRITON, reason="triton missing")
 @pytest.mark.parametrize("n,k,chunks", INVARIANCE_SHAPES, ids=lambda v: str(v))
 def test_small_m_tiles_on_a_decoded_activation_equal_the_packed_kernel(monkeypatch, n, k, chunks):
-    """DECODE_X_MIN_M: the swapped tiles (M <= 128, split K chunks or not) take the activation decoded once by
+    """DECODE_X_MIN_M: the swapped tiles (M <= SWAP_MAX_M, split K chunks or not) take the activation decoded once by
     `decode_nvfp4` and decode only the weight themselves: the bits of the tile that decodes both."""
     from minite_core.kernels import gemm
 
@@ -389,7 +390,7 @@ def test_small_m_tiles_on_a_decoded_activation_equal_the_packed_kernel(monkeypat
 @pytest.mark.skipif(not HAS_TRITON, reason="triton missing")
 @pytest.mark.parametrize("n,k,chunks", INVARIANCE_SHAPES, ids=lambda v: str(v))
 def test_wide_tiles_on_a_packed_weight_equal_the_decoded_operands(monkeypatch, n, k, chunks):
-    """WIDE_PACKED_MAX_M: the wide tiles (M > 128) on a weight without its decoded form (the rollout's) decode
+    """WIDE_PACKED_MAX_M: the wide tiles (M > SWAP_MAX_M) on a weight without its decoded form (the rollout's) decode
     the weight in the tile, with the activation decoded by its quantize, and launch no `_decode_kernel`: the
     bits of the tile on both operands decoded, with the weight decoded per call or carried (the learner's)."""
     from minite_core.kernels import gemm
@@ -400,7 +401,7 @@ def test_wide_tiles_on_a_packed_weight_equal_the_decoded_operands(monkeypatch, n
     packed, = quantize_many_triton([master], gs)
     carried, = quantize_many_triton([master], gs, decoded=True)
     w2 = _weights(n, k, seed=47)["nvfp4-tensor"]  # a second weight of the launch (q/k/v, gate/up)
-    m = 150 if DEVICE == "cpu" else 300
+    m = gemm.SWAP_MAX_M + 44  # the wide tiles' rows
     x = _rand(m, k, seed=48) * torch.logspace(-3, 2, m, device=DEVICE).unsqueeze(1)
     xq = quantize_triton(x, None, decoded=True)
     monkeypatch.setattr(gemm, "WIDE_PACKED_MAX_M", None)

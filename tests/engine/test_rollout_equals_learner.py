@@ -68,11 +68,11 @@ def test_prefill_on_wide_tiles_with_packed_weights_equals_the_learner(tmp_path):
 
     # (the dense model: the MoE's experts run the grouped GEMM, which this path does not change)
     model = load_model(save_hf_checkpoint(tmp_path), precision="nvfp4", backend="triton", device=DEVICE)
-    length = gemm.SWAP_MAX_M // 2 + 3  # two prompts prefilled together: more rows than SWAP_MAX_M
+    length = gemm.SWAP_MAX_M // 4 + 3  # four prompts prefilled together: more rows than SWAP_MAX_M
     g = torch.Generator().manual_seed(9)
-    prompts = [torch.randint(0, 96, (length,), generator=g).tolist() for _ in range(2)]
-    assert gemm.WIDE_PACKED_MAX_M is not None and gemm.WIDE_PACKED_MAX_M >= 2 * length  # (the default bound)
-    engine = RolloutEngine(model, max_slots=2, max_seq_len=length + 4)
+    prompts = [torch.randint(0, 96, (length,), generator=g).tolist() for _ in range(4)]
+    assert gemm.WIDE_PACKED_MAX_M is not None and gemm.WIDE_PACKED_MAX_M >= 4 * length  # (the default bound)
+    engine = RolloutEngine(model, max_slots=4, max_seq_len=length + 4)
     learner = Learner(model)
     for o in engine.generate(prompts, SamplingParams(max_tokens=2, temperature=1.0, seed=5)):
         assert torch.equal(o.logprobs, learner.logprobs(o.prompt_ids, o.token_ids).cpu()), o.request_index

@@ -25,7 +25,7 @@ def _rand(*shape, seed=0):
 
 
 # (K, widths of the weights) with one K chunk count for all widths (they share one launch), and M values
-# on the swapped split path (M <= 128, S > 1), and the wide decoded walk (M > 128)
+# on the swapped split path (M <= SWAP_MAX_M, S > 1), and the wide decoded walk (M > SWAP_MAX_M)
 if DEVICE == "cpu":
     K, WIDTHS, MS = 96, (40, 24, 24), (3, 17, 140)  # interpreter: S = 2 for N <= 64
 else:
@@ -57,7 +57,7 @@ def test_weights_in_one_launch_have_the_bits_of_separate_launches(monkeypatch, c
     outs = gemm.gemm_many_triton(xq, ws, biases, torch.bfloat16)
     for w, b, out in zip(ws, biases, outs):
         assert torch.equal(out, gemm.gemm_triton(xq, w, b, torch.bfloat16))
-    r = max(m, 200)  # rows enough for the wide walk, the first m of them xq's
+    r = max(m, gemm.SWAP_MAX_M + 1)  # rows enough for the wide walk, the first m of them xq's
     walk = gemm.gemm_triton(nvfp4.NVFP4Tensor(xq.data.repeat(r, 1)[:r], xq.scale.repeat(r, 1)[:r],
                                               xq.global_scale.repeat(r, 1)[:r], (r, K)), ws[0], None, torch.float32)
     assert torch.equal(gemm.gemm_triton(xq, ws[0], None, torch.float32), walk[:m])  # split == one-program walk
@@ -197,9 +197,10 @@ def test_wide_packed_bound_from_the_environment(monkeypatch):
 def test_swap_bound_from_the_environment(monkeypatch):
     """MINITE_SWAP_MAX_M: a row count >= 1; anything else is refused with the variable's name."""
     monkeypatch.delenv("MINITE_SWAP_MAX_M", raising=False)
-    assert gemm._swap_bound_from_env() == gemm.DEFAULT_SWAP_MAX_M == 128
-    monkeypatch.setenv("MINITE_SWAP_MAX_M", "256")
-    assert gemm._swap_bound_from_env() == 256
+    default = gemm.INTERPRETER_SWAP_MAX_M if gemm.interpreting() else gemm.DEFAULT_SWAP_MAX_M
+    assert gemm._swap_bound_from_env() == default == (128 if gemm.interpreting() else 256)
+    monkeypatch.setenv("MINITE_SWAP_MAX_M", "200")
+    assert gemm._swap_bound_from_env() == 200
     for bad in ("0", "-1", "2k", ""):
         monkeypatch.setenv("MINITE_SWAP_MAX_M", bad)
         with pytest.raises(ValueError, match="MINITE_SWAP_MAX_M"):

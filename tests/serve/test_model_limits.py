@@ -68,13 +68,6 @@ def test_max_seq_len_above_the_context_is_refused(service_model):
     report("max_seq_len_above_context", max_seq_len=2_000_000, exit_code=r.returncode, seconds=f"{took:.1f}")
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal without CUDA")
-def test_prefill_graphs_without_cuda_are_refused(service_model):
-    r, took = _rollout(service_model, "--prefill-graphs")
-    _refused(r, "prefill_graphs needs the decode's CUDA graphs")
-    report("prefill_graphs_without_cuda", exit_code=r.returncode, seconds=f"{took:.1f}")
-
-
 def test_a_kv_cache_beyond_memory_is_refused_with_the_figure(tmp_path):
     """A model with a long context: 4096 slots x 1M tokens asks for ~1 TiB of KV cache."""
     import dataclasses
