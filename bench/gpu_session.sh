@@ -21,14 +21,15 @@ OUT=${OUT:-/tmp/minite-gpu}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 TRITON_STORE_BINARY_ONLY=1
 parts=${*:-tests rollout learner attention gemm}
 # bench/rollout.py with one module setting set to each VALUE in turn (the same run, and the same bits, either way):
-#   rollout_ab MODULE NAME ARGS VALUE...  -> $OUT/rollout_NAME=VALUE.txt each, and its result lines
+#   rollout_ab MODULE NAME ARGS VALUE...  -> $OUT/ab_NAME_VALUE.txt each, and its result lines
+#   (no '=' in the file names: the device tool returns only files named in letters, digits, '.', '_' and '-')
 rollout_ab() {
   local module=$1 name=$2 args=$3 v; shift 3
   for v in "$@"; do
     timeout ${ROLLOUT_TIMEOUT:-420} python3 -c "import importlib, runpy, sys
 setattr(importlib.import_module('$module'), '$name', $v); sys.argv[0] = 'bench/rollout.py'
 runpy.run_path('bench/rollout.py', run_name='__main__')" $args 2>&1 \
-      | tee "$OUT/rollout_$name=$v.txt" | grep -E "^(0.6b|1.7b|moe) " | sed "s/^/$name=$v: /"
+      | tee "$OUT/ab_${name}_$v.txt" | grep -E "^(0.6b|1.7b|moe) " | sed "s/^/$name=$v: /"
   done
 }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
@@ -115,8 +116,8 @@ echo "== summary"
 [ -f "$OUT/rollout.txt" ] && grep -E 'minite-nvfp4 / ' "$OUT/rollout.txt" | sed 's/^/rollout:  /'
 for f in "$OUT"/rollout_packed_*.txt; do [ -f "$f" ] && grep -E 'minite-nvfp4 / |prefill' "$f" | grep -v '^ *$' \
   | sed "s/^/rollout, MINITE_WIDE_PACKED_MAX_M=$(basename "$f" .txt | sed 's/rollout_packed_//'): /"; done
-for f in "$OUT"/rollout_*=*.txt; do [ -f "$f" ] && grep -E 'minite-nvfp4 / |^(0.6b|1.7b) +minite-(nvfp4|bf16) +b' "$f" \
-  | sed "s/^/rollout, $(basename "$f" .txt | sed 's/^rollout_//'): /"; done
+for f in "$OUT"/ab_*.txt; do [ -f "$f" ] && grep -E 'minite-nvfp4 / |^(0.6b|1.7b) +minite-(nvfp4|bf16) +b' "$f" \
+  | sed "s/^/rollout, $(basename "$f" .txt | sed 's/^ab_//'): /"; done
 [ -f "$OUT/learner_cap.txt" ] && grep -E '^NVFP4 / BF16' "$OUT/learner_cap.txt" | sed "s/^/learner, S <= ${CAP:-1}: /"
 [ -f "$OUT/rollout_cap.txt" ] && grep -E 'minite-nvfp4 / ' "$OUT/rollout_cap.txt" | sed "s/^/rollout, S <= ${CAP:-1}: /"
 [ -f "$OUT/gemm.txt" ] && grep -E '^ *[0-9]+ +[0-9]+ +(1|16|64|4096) ' "$OUT/gemm.txt" | awk -F'|' '{print "gemm:     N K M S =" $1 "w4a4 vs bf16 =" $(NF-1)}'
