@@ -38,6 +38,16 @@ from .task import Sample, Scores, cut_at_stop, make_task
 from .wal import TrajectoryLog, write_atomically
 
 log = logging.getLogger("minite.train")
+# Settings a resumed run may change without a word: how long it runs and how often it checkpoints or evaluates,
+# where its files are. Any other change (the seed, the learning rate, the data) is named when the run resumes.
+RESUME_FREE = frozenset({"steps", "resume", "run_dir", "checkpoint_every", "eval_steps", "eval_max_rows"})
+
+
+def changed_settings(saved: dict, now: dict) -> list[str]:
+    """'name: old -> new' for each setting recorded in a checkpoint (`saved`) that differs now, but RESUME_FREE's
+    (a setting the checkpoint does not record, from an older version, is not compared)."""
+    return [f"{k}: {saved[k]!r} -> {now.get(k)!r}" for k in sorted(saved)
+            if k not in RESUME_FREE and k in now and saved[k] != now[k]]
 
 
 class StaleRollout(RuntimeError):
@@ -355,11 +365,16 @@ class Trainer:
         return out
 
     # -- checkpoints -------------------------------------------------------------------------------
-    def _checkpoint(self, path) -> None:
+    def _config_record(self) -> dict:
+        """The run's settings as a checkpoint records them (the model folder absolute: `minite export` reads it
+        from any working directory)."""
         config = self.cfg.run_fields()
-        if config.get("model_dir"):  # absolute: `minite export` reads it from any working directory
+        if config.get("model_dir"):
             config["model_dir"] = str(Path(config["model_dir"]).resolve())
-        meta = {"step": self.step_idx, "weight_version": self.version, "config": config}
+        return config
+
+    def _checkpoint(self, path) -> None:
+        meta = {"step": self.step_idx, "weight_version": self.version, "config": self._config_record()}
         write_atomically(path, lambda p: state.save(p, self.masters, self.state.opt, meta, group=self.group,
                                                     module=self.module), group=self.group)
         if self.wal is not None:  # kept from the previous checkpoint on: it is the fallback (state.py)
@@ -370,4 +385,8 @@ class Trainer:
         meta = state.load(path, self.masters, self.state.opt, group=self.group, module=self.module)
         self.step_idx = self.checkpoint_step = meta["step"]
         self.version = meta["weight_version"] - 1
+        changed = changed_settings(meta.get("config") or {}, self._config_record())
+        if changed and self.leader:
+            log.warning("--resume: settings changed since the checkpoint of step %d (the run goes on with the new "
+                        "ones): %s", self.step_idx, "; ".join(changed))
         self._sync_weights()  # back to the saved version, on the rollout side too

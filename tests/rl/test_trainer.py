@@ -182,6 +182,21 @@ def test_resume_with_nothing_to_resume_from_says_so(tiny, tmp_path, caplog):
     assert "holds no checkpoint and no trajectory log: starting at step 1" in caplog.text
 
 
+def test_resume_names_the_settings_that_changed(tiny, tmp_path, caplog):
+    """A resumed run goes on with the settings it is given, but says which ones differ from the checkpoint's
+    (a changed seed or learning rate was taken silently); a longer run (steps) is no change worth a word."""
+    run(_cfg(tiny, tmp_path / "r", steps=2), progress=False)
+    with caplog.at_level("WARNING", logger="minite.train"):
+        run(_cfg(tiny, tmp_path / "r", steps=3, resume=True, seed=5, learning_rate=1e-4), progress=False)
+    said = [r.getMessage() for r in caplog.records if "settings changed" in r.getMessage()]
+    assert said == ["--resume: settings changed since the checkpoint of step 2 (the run goes on with the new ones): "
+                    "learning_rate: 0.0005 -> 0.0001; seed: 0 -> 5"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="minite.train"):  # the same settings, run longer: nothing to say
+        run(_cfg(tiny, tmp_path / "r", steps=4, resume=True, seed=5, learning_rate=1e-4), progress=False)
+    assert not [r for r in caplog.records if "settings changed" in r.getMessage()]
+
+
 def test_a_checkpoint_names_the_model_folder_absolutely(tiny, tmp_path, monkeypatch):
     """A run started with a relative --model-dir: the checkpoint holds the absolute folder, so `minite export`
     finds the model from any working directory."""
