@@ -296,6 +296,18 @@ class RolloutEngine:
         with torch.no_grad(), self.model.using(req.weights):
             return Learner(self.model).logprobs(req.prompt[:1], req.prompt[1:], t).tolist()
 
+    def prompt_alternatives(self, req: Request) -> list[list[tuple[int, float]]]:
+        """At each prompt position after the first, the req.params.logprobs most likely tokens with their logprobs
+        (`top_alternatives`, as for sampled tokens) on the learner's logits of the prompt, under the weights and
+        temperature of `prompt_logprobs`; [] per position when the request asks for none."""
+        n = len(req.prompt) - 1
+        if n < 1 or not req.params.logprobs:
+            return [[] for _ in range(max(n, 0))]
+        ids = torch.tensor([req.prompt], device=self.model.device)
+        with torch.no_grad(), self.model.using(req.weights):
+            logits = self.model.logits(ids, logits_dtype=self.model.dtype)[0, :-1]  # (Learner.batch_logprobs' rows)
+            return top_alternatives(logits, list(range(n)), [req.params] * n, self.model.backend)
+
     def cancel(self, req: Request) -> None:
         """Stop a request's unfinished sequences (finish_reason "abort"); its slots free at once."""
         for q in req.seqs:

@@ -555,9 +555,10 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
                 for k, req in enumerate(reqs):
                     head, lp_part = text_of(req.prompt), None
                     if want_lp:
-                        lps = await asyncio.to_thread(rt.prompt_logprobs, req)
+                        lps, alts = await asyncio.to_thread(rt.prompt_logprobs, req)
                         lp_part = {"tokens": [piece(t, body) for t in req.prompt], "token_logprobs": [None] + lps,
-                                   "top_logprobs": [None] + [{piece(t, body): lp} for t, lp in zip(req.prompt[1:], lps)],
+                                   "top_logprobs": [None] + [top_dict(t, lp, a, body)
+                                                             for t, lp, a in zip(req.prompt[1:], lps, alts)],
                                    "text_offset": offsets(req.prompt)}
                     for q in req.seqs:
                         base[k * n + q.sample_index] = len(head)
@@ -657,8 +658,8 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
         stops = body.stops()
         choices = []
         for k, (req, prompt) in enumerate(zip(reqs, prompts)):
-            prompt_lps = await asyncio.to_thread(rt.prompt_logprobs, req) if body.echo and body.logprobs is not None \
-                else None
+            prompt_lps, prompt_alts = await asyncio.to_thread(rt.prompt_logprobs, req) \
+                if body.echo and body.logprobs is not None else (None, None)
             head = text_of(prompt) if body.echo else ""
             for c in req.completions():
                 text = trim(text_of(c.token_ids), stops)
@@ -668,7 +669,8 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
                     ids, lps = list(c.token_ids), c.logprobs.tolist()
                     tops = [top_dict(t, lp, a, body) for t, lp, a in zip(ids, lps, c.top_logprobs or [None] * len(ids))]
                     if body.echo:
-                        tops = [None] + [{piece(t, body): lp} for t, lp in zip(prompt[1:], prompt_lps)] + tops
+                        tops = [None] + [top_dict(t, lp, a, body)
+                                         for t, lp, a in zip(prompt[1:], prompt_lps, prompt_alts)] + tops
                         ids, lps = list(prompt) + ids, [None] + prompt_lps + lps
                     choice["logprobs"] = {"tokens": [piece(t, body) for t in ids], "token_logprobs": lps, "top_logprobs": tops,
                                           "text_offset": offsets(ids)}

@@ -159,10 +159,11 @@ class RolloutRuntime:
             self.lock.notify_all()
         return req
 
-    def prompt_logprobs(self, req) -> list[float]:
-        """The request's prompt-token logprobs (the engine's `prompt_logprobs`), between engine steps."""
+    def prompt_logprobs(self, req) -> tuple[list[float], list]:
+        """The request's prompt-token logprobs and top alternatives (the engine's `prompt_logprobs` and
+        `prompt_alternatives`), between engine steps."""
         with self.locked():
-            return self.engine.prompt_logprobs(req)
+            return self.engine.prompt_logprobs(req), self.engine.prompt_alternatives(req)
 
     def cancel(self, req) -> None:
         """Stop a request's unfinished sequences (finish "abort"; its slots free). Never waits for a step:

@@ -88,6 +88,31 @@ def test_completions_echo_with_prompt_logprobs(client, learner):
     assert lp.token_logprobs[len(prompt):] == learner.logprobs(prompt, comp, 1.0).tolist()
 
 
+def test_completions_echo_with_top_alternatives_at_prompt_positions(client, learner):
+    """echo + logprobs=N: each prompt position after the first lists the N most likely tokens too (and the prompt
+    token, as vLLM), each with the learner's logprob for that token there; streamed as unary."""
+    kw = dict(model=MODEL, prompt="One two three four", max_tokens=2, temperature=0.7, seed=2, echo=True, logprobs=3,
+              extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    r = client.completions.create(**kw)
+    prompt, lp = r.model_extra["prompt_token_ids"], r.choices[0].logprobs
+    assert len(prompt) >= 3 and lp.top_logprobs[0] is None
+    logits = learner.model.logits(torch.tensor([prompt]))[0].float()
+    for k in range(1, len(prompt)):
+        top = lp.top_logprobs[k]
+        assert 3 <= len(top) <= 4 and top[f"token_id:{prompt[k]}"] == lp.token_logprobs[k]
+        best = set(torch.topk(logits[k - 1], 3).indices.tolist())  # the 3 largest logits (no ties in random weights)
+        assert best <= {int(p.removeprefix("token_id:")) for p in top}, k
+        for piece, value in top.items():
+            alt = int(piece.removeprefix("token_id:"))
+            assert value == learner.logprobs(prompt[:k], [alt], 0.7).item(), (k, alt)
+    streamed = []
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                streamed += c.logprobs.top_logprobs
+    assert streamed == lp.top_logprobs
+
+
 def test_completions_echo_streamed_gives_the_unary_answer(client):
     kw = dict(model=MODEL, prompt="One two three", max_tokens=4, temperature=0.9, seed=5, echo=True, logprobs=2,
               extra_body={"ignore_eos": True})
