@@ -15,13 +15,13 @@ pointers cannot happen: the graph never sees other tensors). The buffers hold on
 the engine replays graphs only for sequences on the newest version and runs older, draining versions
 eagerly.
 
-Prefill graphs (on by default with the decode graphs; `RolloutEngine(prefill_graphs=False)`: eager): an eager prefill is host-bound on a GPU (hundreds
-of launches, each tens of µs of Python, for a few ms of GPU work), so a prefill can replay a graph too, one per
-(rows bucket, length bucket): b prompts right-padded to t positions run as `bucket(b)` x `length_bucket(t)`
-(`pad_prefill`): padding rows decode dummy tokens into the scratch row, padding positions write cache entries
-past each prompt, which no query reads before that sequence's decode steps write them (causal attention; the
-engine already right-pads a group to its longest prompt). The rows take the decode graphs' buckets (powers of two
-and the slot count); a length bucket adds at most 15 or 1/4 more positions.
+Prefill graphs (on with the decode graphs; `RolloutEngine(prefill_graphs=False)`: eager): an eager prefill is
+host-bound on a GPU (hundreds of launches, each tens of µs of Python, for a few ms of GPU work), so a prefill
+replays a graph too, one per (rows bucket, length bucket): b prompts right-padded to t positions run as
+`bucket(b)` x `length_bucket(t)` (`pad_prefill`): padding rows decode dummy tokens into the scratch row, padding
+positions write cache entries past each prompt, which no query reads before that sequence's decode steps write
+them (causal attention; the engine already right-pads a group to its longest prompt). The rows take the decode
+graphs' buckets (powers of two and the slot count); a length bucket adds at most 15 or 1/4 more positions.
 """
 from __future__ import annotations
 

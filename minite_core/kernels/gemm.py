@@ -12,10 +12,11 @@ Hopper-specific part: a Blackwell path would hand the same packed bytes and scal
 `nvfp4.to_blocked`) to a native block-scaled MMA instead. `grouped_gemm.py` runs the same tile
 (`w4a4_tile`) over the experts of a MoE layer.
 
-Tiles by M (`gemm_config`): M <= SWAP_MAX_M takes swapped narrow tiles, the weight tile as the MMA's first
-operand (wgmma M = 64 rows of w per warpgroup, from registers) and the activations as its N, BLOCK_M =
-16, 32, 64 or 128 (the narrowest power of two >= M; 128-row tiles above 128; SWAP_MAX_M = 256); larger M takes 128x256 / 128x128 tiles with x as
-the first operand. BLOCK_K (128 on the GPU) is one constant for every M, and there is no autotuning.
+Tiles by M (`gemm_config`): M <= SWAP_MAX_M (256) takes swapped narrow tiles, the weight tile as the MMA's
+first operand (wgmma M = 64 rows of w per warpgroup, from registers) and the activations as its N, BLOCK_M =
+16, 32, 64 or 128 (the narrowest power of two >= M; above 128 rows, several 128-row tiles); larger M takes
+128x256 / 128x128 tiles with x as the first operand. BLOCK_K (128 on the GPU) is one constant for every M,
+and there is no autotuning.
 The plain GEMM has the same two families (BLOCK_K = 64, one chain over K, no chunks): swapped narrow
 tiles for M <= SWAP_MAX_M (a decode step's bf16 linears and lm_head), 128x128 above.
 
@@ -27,10 +28,10 @@ right; then the epilogue. M <= SWAP_MAX_M (SPLIT): grid (tiles, S), program (t, 
 an fp32 scratch [S, M, N] (torch.empty in the launcher: no sync, graph-capturable); the tile's last
 program to finish (a per-tile arrival counter: a CTA barrier, then an acq_rel atomic at GPU scope, the
 partials read back past L1) adds the S partials in chunk order and applies the epilogue, so no second
-launch (COMBINE_IN_KERNEL; False: `_combine_kernel` does the same additions). M > SWAP_MAX_M and the grouped kernel: one program
-walks the chunks in order, a second accumulator `total` in registers (`w4a4_tile` with CHUNKED; chunks of
-one step start each step's chain from no accumulator and add it into `total`, without selects), no
-scratch; with S > 1 the wide tile is 128x128 (a 128x256 tile with two accumulators would spill).
+launch (COMBINE_IN_KERNEL; False: `_combine_kernel` does the same additions). M > SWAP_MAX_M and the grouped
+kernel: one program walks the chunks in order, a second accumulator `total` in registers (`w4a4_tile` with
+CHUNKED; chunks of one step start each step's chain from no accumulator and add it into `total`, without
+selects), no scratch; with S > 1 the wide tile is 128x128 (a 128x256 tile with two accumulators would spill).
 
 Why a row's bits cannot depend on the tile (so M, the other rows, and the config chosen for M do not
 matter):
@@ -590,9 +591,10 @@ SMALL_M_TILES = True
 # chain over K for every M, so the same bits), where 128x128 tiles did 8x the MMA work at M = 16 and gave
 # N = 1024 eight programs. False: 128x128 for every M.
 SMALL_M_PLAIN = True
-# SWAP_MAX_M (set below) above 128: more rows take several 128-row swapped tiles (same bits). On an H100 (2026-12-07, fourth
-# session, docs/benchmarks.md) a b256 decode step took 1-9% less at 512 than at 128 (NVFP4 0.6B 9.09 -> 8.97 ms, 1.7B
-# 12.30 -> 11.18; BF16 6.75 -> 6.55, 8.60 -> 8.33); the GPU tests passed at 256 (2026-12-08), the default since.
+# SWAP_MAX_M (set below) above 128: more rows take several 128-row swapped tiles (same bits). On an H100
+# (2026-12-07, fourth session, docs/benchmarks.md) a b256 decode step took 1-9% less at 512 than at 128 (NVFP4 0.6B
+# 9.09 -> 8.97 ms, 1.7B 12.30 -> 11.18; BF16 6.75 -> 6.55, 8.60 -> 8.33); the GPU tests passed at 256 (2026-12-08),
+# the default since.
 # MINITE_SWAP_MAX_M (read at import; the bits do not depend on it) sets another bound. Under the CPU interpreter
 # (the tests) the bound is 128: the same two tile families meet there, for half the rows a wide-tile test interprets.
 DEFAULT_SWAP_MAX_M = 256

@@ -524,6 +524,10 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
                     break
         return text[: len(text) - hold]
 
+    def unsent(text: str, sent: str) -> str:
+        """What of a choice's text is not streamed yet (nothing when the text no longer begins with what was)."""
+        return text[len(sent):] if text.startswith(sent) else ""
+
     def chat_logprob(tok: int, lp: float, alts, body) -> dict:
         return {"token": piece(tok, body), "logprob": lp, "bytes": token_bytes(tok),
                 "top_logprobs": [{"token": piece(t, body), "logprob": a, "bytes": token_bytes(t)} for t, a in (alts or [])]}
@@ -586,7 +590,7 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
                 text = trim(text_of(toks[c]) if finish else (streams[c].text if streams else ""), stops)
                 if not finish:
                     text = held_back(text, stops)
-                delta = text[len(sent[c]):] if text.startswith(sent[c]) else ""
+                delta = unsent(text, sent[c])
                 sent[c] = sent[c] + delta
                 if finish:
                     ended.add(c)
@@ -602,9 +606,8 @@ def build_app(rt: RolloutRuntime) -> FastAPI:
                 yield _chunk(rid, obj, created, name, kind, c, tok, finish, req, delta, lp_part)
             for c, (req, q) in seqs.items():  # samples that ended without a token of their own (aborted):
                 if c not in ended:  # the end, with the text held back so far (the whole decode, as unary)
-                    text = trim(text_of(toks[c]), stops)
-                    delta = text[len(sent[c]):] if text.startswith(sent[c]) else ""
-                    yield _chunk(rid, obj, created, name, kind, c, None, q.finish, req, delta)
+                    yield _chunk(rid, obj, created, name, kind, c, None, q.finish, req,
+                                 unsent(trim(text_of(toks[c]), stops), sent[c]))
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": name,
                                              "choices": [], "usage": usage(reqs)}) + "\n\n"

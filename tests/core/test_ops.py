@@ -134,8 +134,9 @@ def test_linear_matches_fp64_reference(backend, wkind, scale_mode):
     assert y.dtype == x.dtype
 
 
-INVARIANCE_MS = [1, 5, 16, 17, 40, 64, 100, 128, 129, 256, 257, 300]  # (the swap bound: 128 interpreted, 256 on the GPU)
-# (N, K, S = the K chunks): S = 1 (one chain), S > 1 split over programs (M <= SWAP_MAX_M) or walked in one (M > SWAP_MAX_M)
+INVARIANCE_MS = [1, 5, 16, 17, 40, 64, 100, 128, 129, 256, 257, 300]  # (swap bound: 128 interpreted, 256 on GPU)
+# (N, K, S = the K chunks): S = 1 (one chain), S > 1 split over programs (M <= SWAP_MAX_M) or walked in one
+# (M > SWAP_MAX_M)
 # (on the CPU interpreter one shape per chunk count, K not a power of two where it splits: CI time)
 # (the K chunks' walk for M > SWAP_MAX_M has three forms, `gemm.walk_mode`: on the CPU K = 224 at S = 2 gives chunks
 # of 2 steps of 64, at S = 4 one-step chunks; on the GPU 12288 x 4096 chunks of 16 steps (a loop over chunks),
