@@ -7,6 +7,8 @@ Shapes: Qwen3-0.6B/1.7B attention (16 query heads, 8 KV heads, head_dim 128), bf
 seq 2048, causal. Decode: one query per sequence over a cache of 2048 valid keys, batch 1/16/64, through
 the split launch (one program per (sequence, KV head, chunk of SPLIT_N keys), then the combine kernel)
 and, for comparison, forced through the one-program-per-tile launch (what decode ran before the split).
+Rollout decode: bench/rollout.py's step (batch 16/64/256, a slot cache of 256 positions, 192 valid keys, bf16
+out), alone and with the o_proj input's NVFP4 quantize fused in (NVFP4's step); TB/s counts the valid K and V.
 Times: medians of CUDA-graph replays (triton.testing.do_bench_cudagraph): capturing the decode step in a
 graph is itself a check that the launcher never syncs with the host.
 Checks (printed): decode == prefill bitwise at positions around the block and chunk boundaries, over the
@@ -99,6 +101,27 @@ def main() -> None:
         rows.append((f"decode b{bd} cache{t}", t_o, t_s, byts / t_o / 1e12, byts / t_s / 1e12))
         rows.append((f"  (tile launch b{bd})", t_tile, t_s, byts / t_tile / 1e12, byts / t_s / 1e12))
         err = max(err, err_d)
+    # the rollout's decode step as bench/rollout.py runs it: a slot cache of 256 positions (128 prompt + 128 new
+    # tokens), ~192 valid keys a sequence (the run's mean), rows read through kv_rows, the output in bf16 as the
+    # model takes it; and with the o_proj input's NVFP4 quantize fused into the kernel (NVFP4's decode step)
+    cap, ctx = 256, 192
+    for bd in (16, 64, 256):
+        kd = torch.randn(bd, hkv, cap, d, device="cuda", dtype=torch.bfloat16)
+        vd = torch.randn(bd, hkv, cap, d, device="cuda", dtype=torch.bfloat16)
+        qd = torch.randn(bd, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+        pd, ld = torch.full((bd, 1), ctx - 1, device="cuda"), torch.full((bd,), ctx, device="cuda")
+        slots = torch.randperm(bd, device="cuda")
+        kw = dict(kv_rows=slots, out_dtype=torch.bfloat16)
+        plain = attention_forward(qd, kd, vd, pd, ld, scale, **kw)
+        fused, _ = attention_forward(qd, kd, vd, pd, ld, scale, quantize=True, **kw)
+        ok[f"rollout decode b{bd}: fused quantize leaves the output as is"] = torch.equal(plain, fused)
+        t_plain = bench(lambda: attention_forward(qd, kd, vd, pd, ld, scale, **kw))
+        t_fused = bench(lambda: attention_forward(qd, kd, vd, pd, ld, scale, quantize=True, **kw))
+        ks, vs = kd[slots, :, :ctx].contiguous(), vd[slots, :, :ctx].contiguous()  # (SDPA: the valid keys only)
+        t_s = bench(lambda: F.scaled_dot_product_attention(qd, ks, vs, scale=scale, enable_gqa=True))
+        byts = 2 * bd * hkv * ctx * d * 2  # the valid keys and values read once
+        rows.append((f"rollout decode b{bd}", t_plain, t_s, byts / t_plain / 1e12, byts / t_s / 1e12))
+        rows.append((f"  (+ fused quantize b{bd})", t_fused, t_s, byts / t_fused / 1e12, byts / t_s / 1e12))
     bm, bn, sn = attention_config()
     print(f"\nattention, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"bf16, Hq {hq} Hkv {hkv} D {d}; BLOCK_M {bm} BLOCK_N {bn} SPLIT_N {sn}")
@@ -109,9 +132,9 @@ def main() -> None:
     print(f"  compiled _attention_kernel binaries: {len(kernels)} (want 1: prefill and decode ran the same "
           f"code); (registers, spills) each: {info}")
     print(f"  max |ours - sdpa| (prefill and decode outputs) = {err:.3g}")
-    print(f"{'case':22s} {'minite us':>10s} {'sdpa us':>9s} {'ratio':>6s} {'minite':>8s} {'sdpa':>8s}  (TFLOP/s prefill, TB/s decode)")
+    print(f"{'case':26s} {'minite us':>10s} {'sdpa us':>9s} {'ratio':>6s} {'minite':>8s} {'sdpa':>8s}  (TFLOP/s prefill, TB/s decode)")
     for name, a, s, ra, rs in rows:
-        print(f"{name:22s} {a * 1e6:10.1f} {s * 1e6:9.1f} {s / a:6.2f} {ra:8.2f} {rs:8.2f}")
+        print(f"{name:26s} {a * 1e6:10.1f} {s * 1e6:9.1f} {s / a:6.2f} {ra:8.2f} {rs:8.2f}")
     if not all(ok.values()):
         sys.exit("a bitwise check failed")
 
