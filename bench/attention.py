@@ -8,7 +8,8 @@ seq 2048, causal. Decode: one query per sequence over a cache of 2048 valid keys
 the split launch (one program per (sequence, KV head, chunk of SPLIT_N keys), then the combine kernel)
 and, for comparison, forced through the one-program-per-tile launch (what decode ran before the split).
 Rollout decode: bench/rollout.py's step (batch 16/64/256, a slot cache of 256 positions, 192 valid keys, bf16
-out), alone and with the o_proj input's NVFP4 quantize fused in (NVFP4's step); TB/s counts the valid K and V.
+out), alone, with the o_proj input's NVFP4 quantize fused in (NVFP4's step) and with 2 or 1 pipelining stages
+(`attention.DECODE_STAGES`); TB/s counts the valid K and V.
 Times: medians of CUDA-graph replays (triton.testing.do_bench_cudagraph): capturing the decode step in a
 graph is itself a check that the launcher never syncs with the host.
 Checks (printed): decode == prefill bitwise at positions around the block and chunk boundaries, over the
@@ -101,6 +102,9 @@ def main() -> None:
         rows.append((f"decode b{bd} cache{t}", t_o, t_s, byts / t_o / 1e12, byts / t_s / 1e12))
         rows.append((f"  (tile launch b{bd})", t_tile, t_s, byts / t_tile / 1e12, byts / t_s / 1e12))
         err = max(err, err_d)
+    kernels = A._attention_kernel.device_caches[torch.cuda.current_device()][0]
+    info = [(getattr(c, "n_regs", "?"), getattr(c, "n_spills", "?")) for c in kernels.values()]  # (before the
+    # rollout's decode below: its slot-cache rows, fused quantize and pipelining depths compile binaries of their own)
     # the rollout's decode step as bench/rollout.py runs it: a slot cache of 256 positions (128 prompt + 128 new
     # tokens), ~192 valid keys a sequence (the run's mean), rows read through kv_rows, the output in bf16 as the
     # model takes it; and with the o_proj input's NVFP4 quantize fused into the kernel (NVFP4's decode step)
@@ -122,14 +126,19 @@ def main() -> None:
         byts = 2 * bd * hkv * ctx * d * 2  # the valid keys and values read once
         rows.append((f"rollout decode b{bd}", t_plain, t_s, byts / t_plain / 1e12, byts / t_s / 1e12))
         rows.append((f"  (+ fused quantize b{bd})", t_fused, t_s, byts / t_fused / 1e12, byts / t_s / 1e12))
+        for stages in (2, 1):  # attention.DECODE_STAGES: fewer pipelining stages, more programs an SM (same bits)
+            A.DECODE_STAGES = stages
+            ok[f"rollout decode b{bd}, {stages} stages: same bits"] = torch.equal(
+                attention_forward(qd, kd, vd, pd, ld, scale, **kw), plain)
+            t_st = bench(lambda: attention_forward(qd, kd, vd, pd, ld, scale, **kw))
+            rows.append((f"  ({stages} stages b{bd})", t_st, t_s, byts / t_st / 1e12, byts / t_s / 1e12))
+        A.DECODE_STAGES = None
     bm, bn, sn = attention_config()
     print(f"\nattention, {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
           f"bf16, Hq {hq} Hkv {hkv} D {d}; BLOCK_M {bm} BLOCK_N {bn} SPLIT_N {sn}")
     for name, good in ok.items():
         print(f"  bitwise: {name}: {good}")
-    kernels = A._attention_kernel.device_caches[torch.cuda.current_device()][0]
-    info = [(getattr(c, "n_regs", "?"), getattr(c, "n_spills", "?")) for c in kernels.values()]
-    print(f"  compiled _attention_kernel binaries: {len(kernels)} (want 1: prefill and decode ran the same "
+    print(f"  compiled _attention_kernel binaries: {len(info)} (want 1: prefill and decode ran the same "
           f"code); (registers, spills) each: {info}")
     print(f"  max |ours - sdpa| (prefill and decode outputs) = {err:.3g}")
     print(f"{'case':26s} {'minite us':>10s} {'sdpa us':>9s} {'ratio':>6s} {'minite':>8s} {'sdpa':>8s}  (TFLOP/s prefill, TB/s decode)")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: the GPU tests of the kernels and engines, then the benchmarks, logs under $OUT.
-#   bash bench/gpu_session.sh [tests] [rollout] [learner] [attention] [gemm] [gemm-bits] [learner-cap] [rollout-cap] [launch] [packed] [one-tile] [attn-quant] [swap-bound] [overlap] [prefill-graphs]
+#   bash bench/gpu_session.sh [tests] [rollout] [learner] [attention] [gemm] [gemm-bits] [learner-cap] [rollout-cap] [launch] [packed] [one-tile] [attn-quant] [attn-stages] [swap-bound] [overlap] [prefill-graphs]
 #   (default: all but gemm-bits and the caps; learner-cap / rollout-cap: MINITE_MAX_K_CHUNKS=$CAP, default 1;
 #   the engines' own cap is gemm.DEFAULT_MAX_CHUNKS = 4, CAP=64 gives the uncapped S of before 2026-12-06)
 # gemm-bits: bench/gemm.py again with the element-wise FP4 decode (MINITE_FP4_DECODE=bits), for the word decode's gain.
@@ -88,6 +88,10 @@ for p in $parts; do
     # or after it (one host round trip a step with the GPU idle): the same rollout run both ways (same tokens either way)
     overlap) rollout_ab minite_core.engine.rollout OVERLAP \
                 "${OVERLAP_ARGS:---configs 0.6b,1.7b --batches 16,64 --repeats 2 --peers minite-nvfp4,minite-bf16}" True False ;;
+    # a decode step's attention launched with fewer software-pipelining stages (attention.DECODE_STAGES: more programs
+    # an SM) or Triton's default (None, the prefill's binary): the same rollout run each way (same bits either way)
+    attn-stages) rollout_ab minite_core.kernels.attention DECODE_STAGES \
+                "${ATTN_STAGES_ARGS:---configs 0.6b,1.7b --batches 64,256 --repeats 2 --peers minite-nvfp4,minite-bf16}" None 2 1 ;;
     # prefills replayed from CUDA graphs of their (rows, length) bucket (engine/rollout.PREFILL_GRAPHS) or launched
     # eagerly (the default): the same rollout run both ways (same tokens either way)
     prefill-graphs) rollout_ab minite_core.engine.rollout PREFILL_GRAPHS \

@@ -236,6 +236,14 @@ def attention_config() -> tuple[int, int, int]:
     return (16, 8, 16) if interpreting() else (64, 64, 256)
 
 
+# The software-pipelining depth (Triton's num_stages) of a decode step's launch; None: Triton's default, as the
+# prefill's (one binary for both). Each stage holds a K and a V tile in shared memory, so fewer stages let more of
+# a decode step's programs share an SM: at b256 (2,048 programs of one (sequence, KV head) each, a few key blocks
+# apiece) the decode attention is latency-bound at ~40% of the KV bandwidth (docs/benchmarks.md, 2026-12-08).
+# Pipelining reorders the loads, not the arithmetic: the same bits (tests/kernels/test_attention.py on the GPU);
+# `bench/gpu_session.sh attn-stages` times it.
+DECODE_STAGES: int | None = None
+
 # Whether a decode step's attention kernel quantizes the o_proj input itself (`ops.attention(quantize=True)`);
 # False: a quantize launch after it, the same bits (bench/gpu_session.sh attn-quant times both).
 FUSE_QUANTIZE = True
@@ -327,6 +335,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
         D=d, BLOCK_M=bm, BLOCK_N=bn, SPLIT_N=sn, DOT_BY_SUM=interpreting(), IEEE=q.dtype == torch.float32,
         HAS_KVROW=kv_rows is not None, QUANT=quantize and nsplit == 1, BLOCK_Q=bq, DBK=dbk,
         num_warps=NUM_WARPS, enable_fp_fusion=False, **pdl.launch(q.device),
+        **({"num_stages": DECODE_STAGES} if tq == 1 and DECODE_STAGES is not None else {}),
     )
     if nsplit > 1:
         br = 16

@@ -183,6 +183,33 @@ def test_gpu_one_binary_and_model_shape():
     assert set(kernels) == compiled, "the decode launches compiled another binary than the prefill's"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("stages", [1, 2])
+def test_gpu_decode_stages_change_no_bit(monkeypatch, stages):
+    """attention.DECODE_STAGES (the decode launch's pipelining depth, a binary of its own): at the model shape,
+    decode over a cache == the prefill's bits, through both launches and with the fused quantize."""
+    from minite_core.kernels import attention as A
+
+    bm, bn, sn = _cfg()
+    b, hq, hkv, d, t = 3, 16, 8, 128, sn + 77
+    q, k, v = _qkv(b, hq, hkv, t, d, "cuda", seed=70)
+    pos = torch.arange(t, device="cuda").expand(b, t).contiguous()
+    full = ops.attention(q, k, v, pos, torch.full((b,), t, device="cuda"), backend="triton")
+    kc, vc = _cache(k, v, 512, seed=74)
+    quantized = {}
+    for staged in (None, stages):
+        monkeypatch.setattr(A, "DECODE_STAGES", staged)
+        for p in (0, bn, sn - 1, sn, t - 1):
+            qp, pp, lp = q[:, :, p:p + 1], torch.full((b, 1), p, device="cuda"), torch.full((b,), p + 1, device="cuda")
+            for split in (True, False):
+                assert torch.equal(_fwd(qp, kc, vc, pp, lp, split=split), full[:, :, p:p + 1]), (staged, p, split)
+            out, parts = A.attention_forward(qp, kc, vc, pp, lp, d ** -0.5, out_dtype=torch.bfloat16, quantize=True)
+            quantized.setdefault(p, (out, parts))
+            assert torch.equal(out, quantized[p][0]) and all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+                                                             for x, y in zip(parts, quantized[p][1])), (staged, p)
+
+
 @pytest.mark.interpreter
 def test_output_rounded_in_the_kernel_to_the_model_dtype(device):
     """out_dtype: the fp32 output rounded to nearest even in the kernel (both launches), laid out [B, Tq, H, D]
