@@ -117,7 +117,7 @@ def main() -> None:
         slots = torch.randperm(bd, device="cuda")
         kw = dict(kv_rows=slots, out_dtype=torch.bfloat16)
         plain = attention_forward(qd, kd, vd, pd, ld, scale, **kw)
-        fused, _ = attention_forward(qd, kd, vd, pd, ld, scale, quantize=True, **kw)
+        fused, fused_q = attention_forward(qd, kd, vd, pd, ld, scale, quantize=True, **kw)
         ok[f"rollout decode b{bd}: fused quantize leaves the output as is"] = torch.equal(plain, fused)
         t_plain = bench(lambda: attention_forward(qd, kd, vd, pd, ld, scale, **kw))
         t_fused = bench(lambda: attention_forward(qd, kd, vd, pd, ld, scale, quantize=True, **kw))
@@ -128,8 +128,10 @@ def main() -> None:
         rows.append((f"  (+ fused quantize b{bd})", t_fused, t_s, byts / t_fused / 1e12, byts / t_s / 1e12))
         for stages in (2, 1):  # attention.DECODE_STAGES: fewer pipelining stages, more programs an SM (same bits)
             A.DECODE_STAGES = stages
+            staged, staged_q = attention_forward(qd, kd, vd, pd, ld, scale, quantize=True, **kw)
             ok[f"rollout decode b{bd}, {stages} stages: same bits"] = torch.equal(
-                attention_forward(qd, kd, vd, pd, ld, scale, **kw), plain)
+                attention_forward(qd, kd, vd, pd, ld, scale, **kw), plain) and torch.equal(staged, plain) and all(
+                torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(staged_q, fused_q))
             t_st = bench(lambda: attention_forward(qd, kd, vd, pd, ld, scale, **kw))
             rows.append((f"  ({stages} stages b{bd})", t_st, t_s, byts / t_st / 1e12, byts / t_s / 1e12))
         A.DECODE_STAGES = None

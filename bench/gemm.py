@@ -8,15 +8,15 @@ For each shape (N, K) and M it times, with triton.testing.do_bench_cudagraph (me
   naive-deq     torch: dequantize the NVFP4 weight to bf16, then torch.matmul (what a user would write)
   minite-w4a4   ops.linear on an NVFP4 weight: fused activation quantize + W4A4 GEMM (end to end)
   minite-gemm   the W4A4 GEMM kernel alone on pre-quantized activations (S = gemm.k_chunks(N, K) K chunks;
-                for M <= 128 and S > 1 split over programs + a combine kernel)
-  minite-gemm-walk  M <= 128, S > 1: the same bits with the chunks walked in one program (SPLIT_K = False)
-  minite-gemm-combine-kernel  M <= 128, S > 1: the split chunks added by a second kernel instead of the tile's
+                for M <= SWAP_MAX_M and S > 1 split over programs + a combine kernel)
+  minite-gemm-walk  M <= SWAP_MAX_M, S > 1: the same bits with the chunks walked in one program (SPLIT_K = False)
+  minite-gemm-combine-kernel  M <= SWAP_MAX_M, S > 1: the split chunks added by a second kernel instead of the tile's
                 last program (COMBINE_IN_KERNEL = False; same bits, checked: combine-same-bits)
-  minite-gemm-packed M > 128: the same bits from the packed operands decoded in every tile (DECODE_WIDE = False;
+  minite-gemm-packed M > SWAP_MAX_M: the same bits from the packed operands decoded in every tile (DECODE_WIDE = False;
                 the default decodes both operands once, `decode-both`, and runs the tile on fp16)
-  minite-gemm-x-decoded M <= 128: the activation decoded once by its own launch, the tile decoding only the
+  minite-gemm-x-decoded M <= SWAP_MAX_M: the activation decoded once by its own launch, the tile decoding only the
                 weight (DECODE_X_MIN_M = 1; same bits)
-  minite-gemm-select-walk M > 128, S > 1: the chunks walked by one loop with selects (WALK_OVERRIDE = 1)
+  minite-gemm-select-walk M > SWAP_MAX_M, S > 1: the chunks walked by one loop with selects (WALK_OVERRIDE = 1)
                 instead of the default walk (a loop over long chunks, or one-step chunks without selects); same bits
   minite-gemm-s1 S > 1: the GEMM with one K chunk (CHUNKS_OVERRIDE = 1): what the chunks cost, or save, at
                 this M (a different reduction order: S is one per (N, K) for every M, so a change of S
@@ -26,7 +26,7 @@ and the activation-quantize kernel's bandwidth against a plain device copy, (`de
 layer's seven linears at decode batch sizes as the model runs them, and (`learner_layer`, last; alone with
 `--learner-only`) the same linears at the learner's 4 x 2048 rows, forward and forward + backward, and
 (`backward_parts`) the pieces of their straight-through backward one by one. It also
-checks, on the GPU, that the swapped narrow tiles (M <= 128: BLOCK_M 16/32/64/128) give the same bits as
+checks, on the GPU, that the swapped narrow tiles (M <= SWAP_MAX_M: BLOCK_M 16/32/64/128) give the same bits as
 the wide ones (the condition for SMALL_M_TILES), and that the W4A4 output is invariant: row i of an M-row
 product == the 1-row product.
 
@@ -68,7 +68,7 @@ def bench(fn) -> float:
 
 
 def tile_config_check(n: int, k: int) -> dict:
-    """Do the swapped narrow tiles (M <= 128) give the same bits as the wide tiles (GPU)? Is W4A4 invariant?"""
+    """Do the swapped narrow tiles (M <= SWAP_MAX_M) give the same bits as the wide tiles (GPU)? Is W4A4 invariant?"""
     g = torch.Generator(device="cuda").manual_seed(0)
     w = nvfp4.quantize(torch.randn(n, k, device="cuda", generator=g) * 0.02, scale_mode="tensor")
     x = torch.randn(4096, k, device="cuda", generator=g, dtype=torch.bfloat16)

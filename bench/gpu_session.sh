@@ -91,14 +91,15 @@ for p in $parts; do
     # a decode step's attention launched with fewer software-pipelining stages (attention.DECODE_STAGES: more programs
     # an SM) or Triton's default (None, the prefill's binary): the same rollout run each way (same bits either way)
     attn-stages) rollout_ab minite_core.kernels.attention DECODE_STAGES \
-                "${ATTN_STAGES_ARGS:---configs 0.6b,1.7b --batches 64,256 --repeats 2 --peers minite-nvfp4,minite-bf16}" None 2 1 ;;
-    # prefills replayed from CUDA graphs of their (rows, length) bucket (engine/rollout.PREFILL_GRAPHS) or launched
-    # eagerly (the default): the same rollout run both ways (same tokens either way)
+                "${ATTN_STAGES_ARGS:---configs 0.6b --batches 64,256 --repeats 2 --peers minite-nvfp4,minite-bf16}" None 2 1 ;;
+    # prefills replayed from CUDA graphs of their (rows, length) bucket (engine/rollout.PREFILL_GRAPHS, the default
+    # since 2026-12-08) or launched eagerly: the same rollout run both ways (same tokens either way)
     prefill-graphs) rollout_ab minite_core.engine.rollout PREFILL_GRAPHS \
                 "${PREFILL_GRAPHS_ARGS:---configs 0.6b,1.7b --batches 16,64 --repeats 2 --peers minite-nvfp4,minite-bf16}" False True ;;
     # (MINITE_SWAP_MAX_M=N sets the bound for every part, the tests included: `MINITE_SWAP_MAX_M=256 ... tests`)
-    # a decode step of more than 128 sequences on the swapped tiles (gemm.SWAP_MAX_M raised to $SB, default 512: 128-row
-    # tiles that read the packed weights) or on the wide tiles that decode them (the default bound, 128): same bits
+    # a decode step of up to $SB sequences (default 512) on the swapped tiles (gemm.SWAP_MAX_M: 128-row tiles that read
+    # the packed weights; the default bound is 256 since 2026-12-08) or, above 128 rows, on the wide tiles that decode
+    # them (bound 128): same bits
     swap-bound) rollout_ab minite_core.kernels.gemm SWAP_MAX_M \
                 "${SWAP_BOUND_ARGS:---configs 0.6b,1.7b --batches 256 --repeats 2 --peers minite-nvfp4,minite-bf16}" 128 ${SB:-512} ;;
     attention) timeout 120 python3 bench/attention.py 2>&1 | tee "$OUT/attention.txt" | tail -20 ;;

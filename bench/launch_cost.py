@@ -58,8 +58,8 @@ def cases(device: str) -> list[tuple[str, object]]:
     g = torch.Generator(device=device).manual_seed(0)
     rnd = lambda *sh: torch.randn(*sh, device=device, generator=g)  # noqa: E731
     bf16 = torch.bfloat16
-    # M > 128: the wide tiles, as a learner step's and a prefill's GEMMs take them (smaller on the CPU dry run)
-    m, k, n = (256, 128, 128) if device == "cuda" else (136, 64, 32)
+    # M > SWAP_MAX_M: the wide tiles, as a learner step's and a prefill's GEMMs take them (smaller on the CPU dry run)
+    m, k, n = (gemm.SWAP_MAX_M + 128, 128, 128) if device == "cuda" else (gemm.SWAP_MAX_M + 8, 64, 32)
     x = rnd(m, k).to(bf16)
     xq = ops.quantize(x, backend="triton", check_finite=False, decoded=True)
     master = rnd(n, k) * 0.05

@@ -1,5 +1,5 @@
-"""CUDA graphs for the rollout engine's steps: the decode step, one per batch-size bucket (and, opt-in, the prefill,
-one per rows and length bucket), surviving weight syncs.
+"""CUDA graphs for the rollout engine's steps: the decode step, one per batch-size bucket (and the prefill, one per
+rows and length bucket, up to `rollout.PREFILL_GRAPH_TOKENS`), surviving weight syncs.
 
 A decode step of a small model is hundreds of small kernels; launched from Python each costs more than
 it computes. Capturing the step once per batch-size bucket (1, 2, 4, ... up to the engine's slots) and
@@ -171,12 +171,21 @@ class StepGraphs:
         g.replay()
         return out[:b, 0]
 
+    def prefill_key(self, b: int, t: int) -> tuple[int, int]:
+        """The (rows, length) bucket a prefill of b prompts of t positions runs in."""
+        return self.bucket(b), length_bucket(t, self.max_len)
+
+    def prefill_tokens(self, b: int, t: int) -> int:
+        """The padded tokens of that bucket's graph."""
+        rows, length = self.prefill_key(b, t)
+        return rows * length
+
     def prefill(self, ids: torch.Tensor, slots: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """A prefill of b prompts right-padded to t positions (ids [b, t] from position 0, slots [b], each row's
         last prompt position [b], on the device) -> the logits there [b, V], by the graph of its (rows, length)
         bucket (`pad_prefill`). The caller has `load`ed the weights; valid until the next `run` or `prefill`."""
         b, t = ids.shape
-        key = (self.bucket(b), length_bucket(t, self.max_len))
+        key = self.prefill_key(b, t)
         p_ids, p_pos, p_slots, p_last = pad_prefill(ids, slots, last, *key, self.scratch)
         if key not in self.prefills:
             static = (p_ids.clone(), p_pos.clone(), p_slots.clone(), p_last.clone())

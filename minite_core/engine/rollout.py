@@ -59,8 +59,11 @@ OVERLAP = True
 # Prefill graphs (`graphs.StepGraphs.prefill`): a prefill replays a graph of its (rows, length) bucket instead of
 # launching its kernels from Python (CUDA only; it needs the decode graphs). On by default since 2026-12-08: the GPU
 # test passed and an H100 run took the 0.6B b16 prefill from 37.5 to 11.3 ms, 1.7B b16 from 53.8 to 25.4 ms (NVFP4;
-# docs/benchmarks.md); `RolloutEngine(prefill_graphs=False)` launches eagerly.
+# docs/benchmarks.md); `RolloutEngine(prefill_graphs=False)` launches eagerly. Only prefills of at most
+# PREFILL_GRAPH_TOKENS padded tokens (rows bucket x length bucket): a larger one is GPU-bound (b64 x 128 tokens gained
+# 3-5%), and each graph keeps its logits and the pool its activations, so the bound caps both; larger ones run eagerly.
 PREFILL_GRAPHS = True
+PREFILL_GRAPH_TOKENS = 8192
 
 
 def check_temperature(t) -> float:
@@ -453,7 +456,8 @@ class RolloutEngine:
             ids = torch.tensor([q.prompt + [0] * (t - len(q.prompt)) for q in group]).to(dev, non_blocking=True)
             last = torch.tensor([len(q.prompt) - 1 for q in group]).to(dev, non_blocking=True)
             version = group[0].request.version
-            if self.prefill_graphs and capture is None and version == self._version:
+            if (self.prefill_graphs and capture is None and version == self._version
+                    and self.graphs.prefill_tokens(len(group), t) <= PREFILL_GRAPH_TOKENS):
                 self.graphs.load(group[0].request.weights, version)
                 slots = torch.tensor([q.slot for q in group]).to(dev, non_blocking=True)
                 logits = self.graphs.prefill(ids, slots, last)

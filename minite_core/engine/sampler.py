@@ -107,17 +107,28 @@ def sample_batch(logits: torch.Tensor, rows: list, backend: str) -> tuple[torch.
     return tokens, logprobs
 
 
+ALTERNATIVES_ELEMENTS = 1 << 24  # logits values (rows x alternatives x vocabulary) one top_alternatives call holds
+
+
 def top_alternatives(logits: torch.Tensor, rows: list[int], params: list, backend: str) -> list[list[tuple[int, float]]]:
     """The params[j].logprobs most likely tokens of logits row rows[j], each with its logprob at the row's
     temperature (1 for greedy), most likely first (ties: the smaller id). Each logprob comes from
     `ops.token_logprobs`, the function the sampled token's logprob and the learner's come from, so an
-    alternative's logprob is bit for bit what the learner would report had that token been sampled."""
-    out = []
-    for i, p in zip(rows, params):
-        row = logits[i:i + 1]
-        t = p.temperature if p.temperature > 0 else 1.0
-        # (the order of logits / t is the order of the logits; a stable sort puts the smaller id first on ties)
-        ids = torch.sort(row[0].float(), descending=True, stable=True).indices[:p.logprobs]
-        lps = ops.token_logprobs(row.repeat(len(ids), 1), ids, t, backend=backend)
-        out.append(list(zip(ids.tolist(), lps.tolist())))
+    alternative's logprob is bit for bit what the learner would report had that token been sampled (its rows
+    are batch-invariant: the rows of one (count, temperature) go in one call, a few at a time, one host copy)."""
+    out: list = [[] for _ in rows]
+    groups: dict[tuple[int, float], list[int]] = {}
+    for j, p in enumerate(params):
+        if p.logprobs:
+            groups.setdefault((p.logprobs, p.temperature if p.temperature > 0 else 1.0), []).append(j)
+    for (k, t), js in groups.items():
+        step = max(1, ALTERNATIVES_ELEMENTS // (k * logits.shape[-1]))
+        for lo in range(0, len(js), step):
+            part = js[lo:lo + step]
+            sel = logits[[rows[j] for j in part]]
+            # (the order of logits / t is the order of the logits; a stable sort puts the smaller id first on ties)
+            ids = torch.sort(sel.float(), dim=-1, descending=True, stable=True).indices[:, :k]
+            lps = ops.token_logprobs(sel.repeat_interleave(ids.shape[1], 0), ids.reshape(-1), t, backend=backend)
+            for j, i_row, l_row in zip(part, ids.tolist(), lps.view(len(part), -1).tolist()):
+                out[j] = list(zip(i_row, l_row))
     return out

@@ -678,7 +678,7 @@ def fp4_block_k() -> int:
 
 def swap_block_m(m: int) -> int:
     """The swapped tile's BLOCK_M for M rows: 16, 32, 64 or 128, the narrowest power of two >= M (more than 128
-    rows, with SWAP_MAX_M raised: tiles of 128 rows)."""
+    rows, up to SWAP_MAX_M: tiles of 128 rows)."""
     return min(128, max(16, next_pow2(max(m, 1))))
 
 

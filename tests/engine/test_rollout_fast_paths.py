@@ -174,3 +174,20 @@ def test_prefill_graphs_equal_the_eager_prefill(ckpt, precision):
     learner = Learner(model)
     for c in graphed:
         assert torch.equal(c.logprobs, learner.logprobs(c.prompt_ids, c.token_ids).cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="CUDA graphs need a GPU")
+def test_prefills_beyond_the_graph_bound_run_eagerly(ckpt, monkeypatch):
+    """rollout.PREFILL_GRAPH_TOKENS: a prefill whose bucket holds more padded tokens runs eagerly (no graph kept for
+    it), the others replay graphs; the tokens and logprobs of eager prefills either way."""
+    from minite_core.engine import rollout
+
+    model = load_model(ckpt, precision="nvfp4", backend="triton", device="cuda")
+    prompts = _prompts(13, seed=5)
+    params = [SamplingParams(max_tokens=3 + i % 5, temperature=1.0, seed=i) for i in range(13)]
+    eager = RolloutEngine(model, max_slots=5, max_seq_len=48, prefill_graphs=False).generate(prompts, params)
+    monkeypatch.setattr(rollout, "PREFILL_GRAPH_TOKENS", 32)
+    engine = RolloutEngine(model, max_slots=5, max_seq_len=48, prefill_graphs=True)
+    assert _key(engine.generate(prompts, params)) == _key(eager)
+    assert all(rows * length <= 32 for rows, length in engine.graphs.prefills), engine.graphs.prefills

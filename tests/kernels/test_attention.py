@@ -202,12 +202,13 @@ def test_gpu_decode_stages_change_no_bit(monkeypatch, stages):
         monkeypatch.setattr(A, "DECODE_STAGES", staged)
         for p in (0, bn, sn - 1, sn, t - 1):
             qp, pp, lp = q[:, :, p:p + 1], torch.full((b, 1), p, device="cuda"), torch.full((b,), p + 1, device="cuda")
-            for split in (True, False):
+            for split in (True, False):  # (the tile launch quantizes in _attention_kernel, the split in the combine)
                 assert torch.equal(_fwd(qp, kc, vc, pp, lp, split=split), full[:, :, p:p + 1]), (staged, p, split)
-            out, parts = A.attention_forward(qp, kc, vc, pp, lp, d ** -0.5, out_dtype=torch.bfloat16, quantize=True)
-            quantized.setdefault(p, (out, parts))
-            assert torch.equal(out, quantized[p][0]) and all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))
-                                                             for x, y in zip(parts, quantized[p][1])), (staged, p)
+                out, parts = A.attention_forward(qp, kc, vc, pp, lp, d ** -0.5, split=split, out_dtype=torch.bfloat16,
+                                                 quantize=True)
+                ref = quantized.setdefault((p, split), (out, parts))
+                assert torch.equal(out, ref[0]) and all(torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+                                                        for x, y in zip(parts, ref[1])), (staged, p, split)
 
 
 @pytest.mark.interpreter

@@ -119,3 +119,31 @@ def test_greedy_ties_take_the_smallest_id(backend):
     tok, lp = sample_batch(logits, [(0.0, 0, 1.0, 1, 0), (0.0, 0, 1.0, 2, 0), (0.0, 0, 1.0, 3, 0)], backend)
     assert tok.tolist() == [17, 17, 17]
     assert math.isclose(float(lp[0]), 5.0 - math.log(3 * math.exp(5.0) + 97), abs_tol=1e-5)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_top_alternatives_of_mixed_requests_equal_one_row_at_a_time(backend, monkeypatch):
+    """`top_alternatives` groups the rows by (count, temperature) and scores a group in one call, a few rows at a
+    time: each row's alternatives are its own most likely tokens (ties: the smaller id first) with the logprob
+    `ops.token_logprobs` gives that token alone on that row, bit for bit."""
+    from types import SimpleNamespace
+
+    from minite_core import ops
+    from minite_core.engine import sampler
+
+    monkeypatch.setattr(sampler, "ALTERNATIVES_ELEMENTS", 3 * 4 * 50)  # groups in parts of 3 rows (k = 4)
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(9, 50, generator=g) * 3).to(torch.bfloat16).to(_device())
+    logits[4, 7] = logits[4, 9] = logits[4].max() + 1  # a tie at the top: 7 before 9
+    params = [SimpleNamespace(logprobs=k, temperature=t) for k, t in
+              [(4, 1.0), (2, 0.7), (4, 1.0), (0, 1.0), (4, 0.0), (4, 1.0), (4, 1.0), (20, 1.3), (4, 1.0)]]
+    rows = [8, 0, 1, 2, 4, 5, 6, 7, 3]
+    got = sampler.top_alternatives(logits, rows, params, backend)
+    for r, p, alts in zip(rows, params, got):
+        t = p.temperature if p.temperature > 0 else 1.0
+        order = sorted(range(50), key=lambda i: (-logits[r, i].item(), i))[:p.logprobs]
+        assert [i for i, _ in alts] == order, r
+        for i, lp in alts:
+            one = ops.token_logprobs(logits[r:r + 1], torch.tensor([i], device=logits.device), t, backend=backend)
+            assert lp == one.item(), (r, i)
+    assert [i for i, _ in got[4]][:2] == [7, 9] and got[3] == []

@@ -4,8 +4,7 @@ traceback, in seconds (before: OOM-killed with no message, a hang, or a service 
 
 - config.json typos: num_hidden_layers 1e9 / 10**9 / "2", num_attention_heads 0, rms_norm_eps "x" or NaN;
 - `--max-seq-len` above the model's context; a KV cache (`--max-slots` x `--max-seq-len`) beyond memory;
-- a FIFO where a weights file should be;
-- `--prefill-graphs` on a machine without CUDA.
+- a FIFO where a weights file should be.
 """
 from __future__ import annotations
 
