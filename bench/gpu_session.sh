@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: the GPU tests of the kernels and engines, then the benchmarks, logs under $OUT.
-#   bash bench/gpu_session.sh [tests] [rollout] [learner] [attention] [gemm] [gemm-bits] [learner-cap] [rollout-cap] [launch] [packed] [one-tile] [attn-quant] [attn-stages] [swap-bound] [overlap] [prefill-graphs]
+#   bash bench/gpu_session.sh [tests] [rollout] [learner] [attention] [gemm] [gemm-bits] [learner-cap] [rollout-cap] [launch] [packed] [one-tile] [attn-quant] [attn-stages] [swap-bound] [swap-tile] [overlap] [prefill-graphs]
 #   (default: all but gemm-bits and the caps; learner-cap / rollout-cap: MINITE_MAX_K_CHUNKS=$CAP, default 1;
 #   the engines' own cap is gemm.DEFAULT_MAX_CHUNKS = 4, CAP=64 gives the uncapped S of before 2026-12-06)
 # gemm-bits: bench/gemm.py again with the element-wise FP4 decode (MINITE_FP4_DECODE=bits), for the word decode's gain.
@@ -102,6 +102,10 @@ for p in $parts; do
     # them (bound 128): same bits
     swap-bound) rollout_ab minite_core.kernels.gemm SWAP_MAX_M \
                 "${SWAP_BOUND_ARGS:---configs 0.6b,1.7b --batches 256 --repeats 2 --peers minite-nvfp4,minite-bf16}" 128 ${SB:-512} ;;
+    # a b256 decode step's GEMMs on one 256-row swapped tile (gemm.SWAP_TILE_MAX = 256: each weight tile decoded
+    # once) or two 128-row ones (the default): the same rollout run each way (same bits either way)
+    swap-tile) rollout_ab minite_core.kernels.gemm SWAP_TILE_MAX \
+                "${SWAP_TILE_ARGS:---configs 0.6b,1.7b --batches 256 --repeats 2 --peers minite-nvfp4,minite-bf16}" 128 256 ;;
     attention) timeout 120 python3 bench/attention.py 2>&1 | tee "$OUT/attention.txt" | tail -20 ;;
     launch) timeout 150 python3 bench/launch_cost.py ${LAUNCH_ARGS:---stages} 2>&1 | tee "$OUT/launch.txt" | tail -20 ;;
     gemm) timeout 240 python3 bench/gemm.py ${GEMM_ARGS:---quick --chunks 1,2,4} --json "$OUT/gemm.json" 2>&1 | tee "$OUT/gemm.txt" | tail -40 ;;

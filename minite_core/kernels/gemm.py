@@ -604,7 +604,13 @@ SWAP_CONFIGS = {  # BLOCK_M (the swapped MMA's N) -> the rest of the tile; BLOCK
     32: dict(BLOCK_N=64, num_warps=4, num_stages=4),
     64: dict(BLOCK_N=64, num_warps=4, num_stages=4),
     128: dict(BLOCK_N=64, num_warps=4, num_stages=3),  # 255 registers, no spill; 8 warps: 35 barriers per K step
+    256: dict(BLOCK_N=64, num_warps=8, num_stages=3),  # (SWAP_TILE_MAX = 256 only; untimed, never compiled yet)
 }
+# The widest swapped tile (its BLOCK_M, the swapped MMA's N): 128, so 129..SWAP_MAX_M rows take several 128-row
+# tiles, each decoding the weight tile again (at b256 NVFP4's GEMMs took 1.5x BF16's, 2026-12-08). 256 (an A/B for
+# the device, `bench/gpu_session.sh swap-tile`): one tile of up to 256 rows, 8 warps, each weight tile decoded once.
+# The same K order, so the same bits (tests/kernels/test_gemm.py); not the default until timed and GPU-tested.
+SWAP_TILE_MAX = 128
 FP4_BLOCK_K = 128  # the K order of every W4A4 config on the GPU (never per M)
 # M > SWAP_MAX_M (compute-bound: prefill, the learner): both operands decoded once into fp16 (`decode_nvfp4`,
 # ~2.5 bytes per element read and written, or written by the kernel that quantized them: `NVFP4Tensor.decoded`)
@@ -677,9 +683,9 @@ def fp4_block_k() -> int:
 
 
 def swap_block_m(m: int) -> int:
-    """The swapped tile's BLOCK_M for M rows: 16, 32, 64 or 128, the narrowest power of two >= M (more than 128
-    rows, up to SWAP_MAX_M: tiles of 128 rows)."""
-    return min(128, max(16, next_pow2(max(m, 1))))
+    """The swapped tile's BLOCK_M for M rows: 16, 32, 64 or 128, the narrowest power of two >= M (more rows, up to
+    SWAP_MAX_M: tiles of SWAP_TILE_MAX rows)."""
+    return min(SWAP_TILE_MAX, max(16, next_pow2(max(m, 1))))
 
 
 # K chunks: the K loop is cut into S chunks of equal step count, S from (N, K) alone (`k_chunks`). Within a
@@ -737,7 +743,7 @@ def gemm_config(m: int, n: int, k: int, fp4: bool) -> dict:
     each call): it runs for every weight of every linear call, and computing it took ~25 µs of host time
     (`triton.cdiv` was a ~2 µs call), which a host-bound learner forward pays. The key holds every setting it
     reads, so the benchmarks and tests that change one get the configs of the new value."""
-    key = (m, n, k, fp4, interpreting(), SMALL_M_TILES, SMALL_M_PLAIN, SWAP_MAX_M, DECODE_WIDE, DECODE_X_MIN_M, SPLIT_K,
+    key = (m, n, k, fp4, interpreting(), SMALL_M_TILES, SMALL_M_PLAIN, SWAP_MAX_M, SWAP_TILE_MAX, DECODE_WIDE, DECODE_X_MIN_M, SPLIT_K,
            CHUNKS_OVERRIDE, MAX_CHUNKS, id(CONFIG_OVERRIDE), id(DECODED_TILE))
     cfg = _CONFIGS.get(key)
     if cfg is None:
@@ -780,7 +786,9 @@ def _tile_config(m: int, n: int, k: int, fp4: bool) -> dict:
         return dict(BLOCK_M=128, BLOCK_N=256 if n >= 4096 else 128, BLOCK_K=FP4_BLOCK_K, GROUP_M=8, num_warps=8,
                     num_stages=3, SWAP_AB=False)
     if SMALL_M_PLAIN and m <= SWAP_MAX_M:  # decode: the weight streams through narrow swapped tiles
-        return dict(BLOCK_M=swap_block_m(m), BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4, SWAP_AB=True)
+        bm = swap_block_m(m)
+        return dict(BLOCK_M=bm, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4 if bm <= 128 else 8, num_stages=4,
+                    SWAP_AB=True)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, SWAP_AB=False)
 
 

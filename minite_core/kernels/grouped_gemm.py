@@ -85,7 +85,7 @@ def grouped_config(t: int, e: int, n: int, k: int) -> dict:
     """One tile config for the launch, from shapes only: BLOCK_M by the mean rows per expert (any BLOCK_M
     gives the same bits, see gemm.py), BLOCK_K that of the dense kernel."""
     mean_rows = max(1, -(-t // max(e, 1)))
-    bm = swap_block_m(mean_rows)  # (at most 128)
+    bm = min(128, swap_block_m(mean_rows))  # (at most 128: SWAP_TILE_MAX's 256 is for the dense decode step)
     if interpreting():
         return dict(BLOCK_M=bm, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=1, SWAP_AB=True)
     return dict(BLOCK_M=bm, BLOCK_K=FP4_BLOCK_K, SWAP_AB=True, **SWAP_CONFIGS[bm])

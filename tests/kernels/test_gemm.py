@@ -112,20 +112,24 @@ def test_rows_of_more_dims_read_in_place_or_reshaped_have_the_bits_of_2d_rows(m)
             assert torch.equal(out3.reshape(out2.shape), out2)
 
 
+@pytest.mark.parametrize("tile_max", [128, 256])
 @pytest.mark.parametrize("mode", ["tensor", "row"])
-def test_swapped_tiles_over_several_row_tiles_have_the_bits_of_the_default_tiles(monkeypatch, mode):
-    """SWAP_MAX_M raised above 128 (a decode step of more sequences on the swapped tiles that read the packed
-    weight, instead of the wide tiles that decode it): the rows go in 128-row swapped tiles, and every output
-    has the bits of the default configs' (the wide tiles at this M), for NVFP4 and bf16 weights."""
+def test_swapped_tiles_over_several_row_tiles_have_the_bits_of_the_default_tiles(monkeypatch, mode, tile_max):
+    """SWAP_MAX_M raised (a decode step of more sequences on the swapped tiles that read the packed weight,
+    instead of the wide tiles that decode it): the rows go in swapped tiles of SWAP_TILE_MAX rows (128, or 256:
+    one weight decode for up to 256 rows), and every output has the bits of the wide tiles at this M, for NVFP4
+    and bf16 weights."""
     m = 300
     ws = _weights(WIDTHS, mode, seed=90)
     plain = [(_rand(n, K, seed=95 + i) * 0.1).to(torch.bfloat16) for i, n in enumerate(WIDTHS)]
     xq, x = nvfp4.quantize(_rand(m, K, seed=9)), _rand(m, K, seed=9).to(torch.bfloat16)
     wide = gemm.gemm_many_triton(xq, ws, [None] * 3, torch.float32), gemm.gemm_many_triton(x, plain, [None] * 3, torch.float32)
     monkeypatch.setattr(gemm, "SWAP_MAX_M", 512)
+    monkeypatch.setattr(gemm, "SWAP_TILE_MAX", tile_max)
     for fp4 in (True, False):
         cfg = gemm.gemm_config(m, WIDTHS[0], K, fp4)
-        assert cfg["SWAP_AB"] and cfg["BLOCK_M"] <= 128, cfg  # (several row tiles)
+        assert cfg["SWAP_AB"] and cfg["BLOCK_M"] <= tile_max, cfg  # (several row tiles; interpreted plain: 16)
+        assert cfg["BLOCK_M"] == tile_max or not fp4, cfg  # (W4A4: two row tiles)
     swapped = gemm.gemm_many_triton(xq, ws, [None] * 3, torch.float32), gemm.gemm_many_triton(x, plain, [None] * 3, torch.float32)
     for a, b in zip(wide[0] + wide[1], swapped[0] + swapped[1]):
         assert torch.equal(a, b)
