@@ -743,8 +743,8 @@ def gemm_config(m: int, n: int, k: int, fp4: bool) -> dict:
     each call): it runs for every weight of every linear call, and computing it took ~25 µs of host time
     (`triton.cdiv` was a ~2 µs call), which a host-bound learner forward pays. The key holds every setting it
     reads, so the benchmarks and tests that change one get the configs of the new value."""
-    key = (m, n, k, fp4, interpreting(), SMALL_M_TILES, SMALL_M_PLAIN, SWAP_MAX_M, SWAP_TILE_MAX, DECODE_WIDE, DECODE_X_MIN_M, SPLIT_K,
-           CHUNKS_OVERRIDE, MAX_CHUNKS, id(CONFIG_OVERRIDE), id(DECODED_TILE))
+    key = (m, n, k, fp4, interpreting(), SMALL_M_TILES, SMALL_M_PLAIN, SWAP_MAX_M, SWAP_TILE_MAX, DECODE_WIDE,
+           DECODE_X_MIN_M, SPLIT_K, CHUNKS_OVERRIDE, MAX_CHUNKS, id(CONFIG_OVERRIDE), id(DECODED_TILE))
     cfg = _CONFIGS.get(key)
     if cfg is None:
         if len(_CONFIGS) > 4096:  # (row counts vary from batch to batch: keep it bounded)

@@ -104,8 +104,8 @@ class RolloutSettings(_Common):
     overlap: bool = Field(True, description="on CUDA, launch each decode step before the host reads the last one's "
                           "tokens (the same tokens; --no-overlap: step by step)")
     prefill_graphs: bool = Field(True, description="on CUDA, replay each small prefill (rollout.PREFILL_GRAPH_TOKENS) "
-                                 "from the CUDA graph of its (rows, length) bucket (the same bits; --no-prefill-graphs: "
-                                 "launched eagerly)")
+                                 "from the CUDA graph of its (rows, length) bucket (the same bits; "
+                                 "--no-prefill-graphs: launched eagerly)")
     max_waiting: int = Field(256, ge=1, description="queued sequences beyond which requests get 429 / RESOURCE_EXHAUSTED")
     max_tokens_limit: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
     max_n: int = Field(64, ge=1, description="largest n (samples per request)")
